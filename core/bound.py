@@ -1,0 +1,149 @@
+"""The analytic pipeline bound: the most trained samples per second a mode could reach with
+the scenario's GPUs, its cost model and the concurrency its staleness budget allows.
+
+Everything is per sync window of W samples (one version).
+
+Rollout: each engine decodes a steady full batch B = min(max_num_seqs, allowed / engines),
+allowed = min(max_concurrency, (1 + lead) * W) for async and partial and W for sync. A
+running sequence holds on average P + E[L^2] / (2 E[L]) context tokens (long responses
+stay in the batch longer), so an engine finishes one sample every
+E[L] * step(B, B * ctx) / B seconds, plus its share of the group's prompt prefill.
+
+Training: one sample costs k (2 N E[T] + 2 layers * hidden * E[T^2]) / (GPUs * peak * MFU), k = 3 passes
+(forward + backward), 4 where the mode recomputes log-probs,
+T = prompt + response tokens, plus the per-step overhead spread over the batch.
+
+Staleness budget: rollout may only admit groups while admitted <= (version + 1 + lead) * W,
+so the trainer often waits for groups admitted at the last version bump, and a straggler
+admitted long ago holds budget until it finishes. The bound plays the run out at group
+level: each group, in the run's own prompt order, is admitted as soon as the budget allows
+and finishes when its longest response does, on the fastest clock a cohort can have: a
+cohort starting together on one engine reaches decode step k after
+sum_{i<k} step(B(i), B(i) * (P + i)) seconds, B(i) being the members longer than i (the
+batch thins as it finishes). The trainer takes groups in finishing order and trains each
+step at its exact FLOP cost. Engines shared between cohorts, prefill of other groups and
+re-prefill after an abort are left out, which only makes the bound higher. What the
+budget adds to the bare steps is reported as the version bubble.
+
+Separated (async, partial): the lower of W / (W / rollout + transfer) and the played-out
+run's rate. Colocated sync: W / rollout + W * train + transfer, in turn.
+``resource_samples_per_s`` drops the staleness-budget term: what the GPUs could do if
+rollout were free to run ahead.
+The bound assumes every engine always holds a full batch. The long tail is what breaks
+that in sync mode (a few long responses keep a window open while most engines idle), and
+the drain at each sync is what breaks it in async mode.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from core.config import Scenario
+from core.costs import DecodeCost, TrainCost, TransferCost
+from core.placement import Placement, effective_staleness
+from core.workload import Workload
+
+
+@dataclass(frozen=True)
+class Bound:
+    trained_samples_per_s: float
+    resource_samples_per_s: float
+    rollout_samples_per_s: float
+    trainer_samples_per_s: float
+    version_bubble_s: float
+    batch_per_engine: int
+    limited_by: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def pipeline_bound(sc: Scenario, mode: str) -> Bound:
+    place = Placement.of(sc, mode)
+    _, lead = effective_staleness(sc, mode)
+    w = sc.workload
+    prompts = min(262144, max(1024, sc.trainer.steps * sc.trainer.batch_size // w.group_size))
+    lengths = Workload(w, sc.seed).sample_lengths(prompts).astype(np.float64)
+    mean_l, mean_l2 = float(lengths.mean()), float((lengths**2).mean())
+    p = float(w.prompt_tokens)
+    window = sc.window
+
+    allowed = sc.rollout.max_concurrency or max(w.group_size, place.engines * sc.rollout.max_num_seqs)
+    allowed = min(allowed, math.floor((1 + lead) * window + 1e-9))
+    batch = max(1, min(sc.rollout.max_num_seqs, allowed // place.engines))
+    decode = DecodeCost(sc, place.gpus_per_engine)
+    step = decode.step_s(batch, batch * (p + mean_l2 / (2 * mean_l)))
+    prefill = decode.prefill_s(0, w.prompt_tokens)
+    rollout = place.engines / (mean_l * step / batch + prefill / w.group_size)
+
+    train = TrainCost(sc, place.trainer_gpus, mode in sc.trainer.recompute_logprobs)
+    mean_t = p + mean_l
+    mean_t2 = p * p + 2 * p * mean_l + mean_l2
+    train_per_sample = train.sample_flops(mean_t, mean_t2) / train.flops + train.overhead_s / sc.trainer.batch_size
+    transfer = TransferCost(sc, colocated=place.colocated).seconds()
+
+    if place.colocated:
+        window_s = window / rollout + window * train_per_sample + transfer
+        resource_s = window_s
+        bubble = 0.0
+        limited = "serial generate + train"
+    else:
+        reach = _cohort_clock(np.sort(lengths.ravel()), max(1, min(sc.rollout.max_num_seqs, math.ceil(window / place.engines))), decode, p)
+        paced_s = _budget_paced_run(sc, lengths.astype(np.int64), reach, prefill, train, transfer, lead)
+        steps = sc.trainer.sync_every
+        step_s = sc.trainer.batch_size * train_per_sample
+        critical = paced_s / sc.trainer.steps * steps - transfer
+        bubble = max(0.0, critical - steps * step_s)
+        roll_s = window / rollout + transfer
+        train_s = critical + transfer
+        window_s = max(roll_s, train_s)
+        resource_s = max(roll_s, steps * step_s + transfer)
+        limited = "rollout" if roll_s > train_s else ("trainer + version bubble" if bubble else "trainer")
+    return Bound(window / window_s, window / resource_s, rollout, 1.0 / train_per_sample, float(bubble), batch, limited)
+
+
+def _cohort_clock(sorted_lengths: np.ndarray, cohort: int, decode: DecodeCost, prompt: float) -> np.ndarray:
+    """Seconds for a cohort of ``cohort`` sequences, started together, to reach each step."""
+    top = int(sorted_lengths[-1])
+    k = np.arange(top + 1)
+    alive = 1.0 - np.searchsorted(sorted_lengths, k, side="right") / len(sorted_lengths)
+    running = cohort * alive
+    step = decode.overhead_s + np.maximum(decode.weights_s, running * decode.per_seq_compute_s)
+    step += decode.kv_s_per_token * running * (prompt + k)
+    return np.concatenate(([0.0], np.cumsum(step)))
+
+
+def _budget_paced_run(sc: Scenario, lengths: np.ndarray, reach: np.ndarray, prefill: float,
+                      train: TrainCost, transfer: float, lead: float) -> float:
+    """Seconds the whole run takes when only the staleness budget and training pace it."""
+    import heapq
+
+    n = sc.workload.group_size
+    p = sc.workload.prompt_tokens
+    per_step = sc.trainer.batch_size // n
+    window_groups = sc.window / n
+    plan = sc.trainer.steps * per_step
+    finish_offset = prefill + reach[lengths.max(axis=1)]
+    tokens = (p + lengths).sum(axis=1).astype(np.float64)
+    tokens_sq = ((p + lengths).astype(np.float64) ** 2).sum(axis=1)
+    ready: list[tuple[float, int]] = []
+    admitted = 0
+    t = 0.0
+    version = 0
+    for step in range(sc.trainer.steps):
+        limit = min(plan, math.floor((version + 1 + lead) * window_groups + 1e-9))
+        while admitted < limit:
+            g = admitted % len(lengths)
+            heapq.heappush(ready, (t + float(finish_offset[g]), g))
+            admitted += 1
+        batch = [heapq.heappop(ready) for _ in range(per_step)]
+        start = max(t, batch[-1][0])
+        idx = [g for _, g in batch]
+        t = start + train.step_s(float(tokens[idx].sum()), float(tokens_sq[idx].sum()))
+        if (step + 1) % sc.trainer.sync_every == 0 and step + 1 < sc.trainer.steps:
+            version += 1
+            t += transfer
+    return t

@@ -1,0 +1,239 @@
+"""The scenario: every knob of a run, validated once, frozen, each default written here only.
+
+Hardware and model defaults describe verl's published fully-async setup (Qwen2.5-7B on
+NVIDIA H20); every number says where it comes from. Nothing here is fitted to a result.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Mode = Literal["sync", "async", "partial"]
+MODES: tuple[str, ...] = ("sync", "async", "partial")
+
+
+class ConfigError(ValueError):
+    """One bad value: the dotted key, the value, what is wrong and how to fix it."""
+
+    def __init__(self, key: str, value: object, problem: str, fix: str) -> None:
+        self.key, self.value, self.problem, self.fix = key, value, problem, fix
+        super().__init__(f"{key} = {value!r}: {problem}; fix: {fix}")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class ModelSpec(_Frozen):
+    """The policy model whose costs are simulated."""
+
+    name: str = "Qwen2.5-7B"
+    """A label for reports."""
+    params_b: float = Field(7.62, gt=0)
+    """Parameters in billions (Qwen2.5-7B model card: 7.61 B)."""
+    layers: int = Field(28, ge=1)
+    """Transformer layers (Qwen2.5-7B config.json: num_hidden_layers 28)."""
+    hidden: int = Field(3584, ge=1)
+    """Hidden size (Qwen2.5-7B config.json: hidden_size 3584)."""
+    kv_heads: int = Field(4, ge=1)
+    """Key/value heads (Qwen2.5-7B config.json: num_key_value_heads 4, GQA)."""
+    head_dim: int = Field(128, ge=1)
+    """Head dimension (Qwen2.5-7B: 3584 / 28 heads)."""
+    dtype_bytes: int = Field(2, ge=1, le=8)
+    """Bytes per weight and per KV element (bf16)."""
+
+
+class GpuSpec(_Frozen):
+    """One accelerator."""
+
+    name: str = "H20"
+    """A label for reports (verl's fully-async experiments ran on H20)."""
+    hbm_gb_s: float = Field(4000.0, gt=0)
+    """Peak memory bandwidth in GB/s (NVIDIA H20 datasheet: 4.0 TB/s HBM3)."""
+    bf16_tflops: float = Field(148.0, gt=0)
+    """Dense BF16 peak in TFLOP/s (NVIDIA H20 datasheet: 148)."""
+    hbm_efficiency: float = Field(0.8, gt=0, le=1)
+    """Fraction of peak bandwidth a decode kernel reaches (typical for large streaming reads on HBM3)."""
+
+
+class ResourcesSpec(_Frozen):
+    """Who gets which GPUs. `sync` mode colocates: every GPU generates, then every GPU trains."""
+
+    rollout_gpus: int = Field(64, ge=1)
+    """GPUs serving rollout in async and partial modes (verl table: 64 of 128)."""
+    trainer_gpus: int = Field(64, ge=1)
+    """GPUs training in async and partial modes (verl table: 64 of 128)."""
+    gpus_per_engine: int = Field(1, ge=1)
+    """Tensor-parallel size of one rollout engine; a 7B model fits one H20 (96 GB)."""
+
+
+class WorkloadSpec(_Frozen):
+    """Prompts and the response-length distribution (lognormal, clipped)."""
+
+    group_size: int = Field(16, ge=1)
+    """Responses per prompt, the GRPO group n (verl DAPO recipe: rollout.n 16)."""
+    prompt_tokens: int = Field(512, ge=1)
+    """Prompt length in tokens, chat template included (DAPO-Math prompts are a few hundred tokens)."""
+    response_median: int = Field(1200, ge=1)
+    """Median response length in tokens before clipping (assumed: early DAPO-Math training on a 7B model)."""
+    response_sigma: float = Field(1.0, ge=0)
+    """Lognormal sigma of response length; 1.0 puts p99 near 10x the median, the long tail."""
+    prompt_share: float = Field(0.5, ge=0, le=1)
+    """Share of the log-length variance that belongs to the prompt (hard prompts make every response long)."""
+    max_response_len: int = Field(28672, ge=1)
+    """Hard cap on response tokens (verl fully-async table: max_response_length 28K)."""
+
+
+class RolloutSpec(_Frozen):
+    """The rollout engines: a continuous-batching decode model."""
+
+    max_num_seqs: int = Field(256, ge=1)
+    """Sequences one engine decodes at once (vLLM default max_num_seqs: 256)."""
+    max_concurrency: Optional[int] = Field(None, ge=1)
+    """Generations in flight across all engines; None means engines x max_num_seqs, at least one group."""
+    decode_overhead_s: float = Field(0.002, ge=0)
+    """Fixed cost of one decode step: scheduling, sampling, launches (assumed, vLLM V1 with CUDA graphs)."""
+    decode_mfu: float = Field(0.5, gt=0, le=1)
+    """Fraction of BF16 peak reached by decode GEMMs once compute-bound (assumed)."""
+    prefill_mfu: float = Field(0.5, gt=0, le=1)
+    """Fraction of BF16 peak reached by prefill, including re-prefill of resumed partial responses (assumed)."""
+
+
+class TrainerSpec(_Frozen):
+    """The trainer: GRPO steps on whole groups."""
+
+    batch_size: int = Field(512, ge=1)
+    """Samples per trainer step, whole groups (32 prompts x 16, verl ppo_mini_batch_size 32)."""
+    sync_every: int = Field(4, ge=1)
+    """Trainer steps per weight sync, i.e. per version (verl trigger_parameter_sync_step 4)."""
+    steps: int = Field(1000, ge=1)
+    """Trainer steps in the run."""
+    mfu: float = Field(0.4, gt=0, le=1)
+    """Model FLOPs utilization of training (Llama 3 paper: 38-43 % BF16 MFU on H100 at scale)."""
+    step_overhead_s: float = Field(1.0, ge=0)
+    """Fixed cost per step: optimizer update and gradient reduction of a sharded 7B model (assumed)."""
+    recompute_logprobs: tuple[Mode, ...] = ()
+    """Modes whose trainer recomputes behaviour log-probs in an extra forward pass (verl colocate: old_log_prob)."""
+
+
+class StalenessSpec(_Frozen):
+    """How stale a trained sample may be, and how far rollout may run ahead."""
+
+    max_staleness: int = Field(1, ge=0)
+    """Hard bound: no sample is trained on weights more than this many versions newer than its first token."""
+    admission_lead: Optional[float] = Field(None, ge=0)
+    """Sync windows the rollout may run ahead of training; None means max_staleness (verl staleness_threshold)."""
+
+
+class SyncSpec(_Frozen):
+    """Weight transfer from trainer to rollout engines."""
+
+    bandwidth_gb_s: float = Field(25.0, gt=0)
+    """Trainer-to-rollout bandwidth in GB/s across nodes (one 200 Gb/s RDMA NIC per GPU)."""
+    latency_s: float = Field(0.5, ge=0)
+    """Fixed cost of one transfer: gathering shards and starting the broadcast (assumed)."""
+    colocated_bandwidth_gb_s: float = Field(400.0, gt=0)
+    """Bandwidth of the in-node reshard in colocated sync mode (NVLink, H20: 900 GB/s peak)."""
+    colocated_switch_s: float = Field(3.0, ge=0)
+    """Colocated mode only: time to swap between engine and trainer memory (KV cache free/rebuild) each sync (assumed)."""
+
+
+class ReportSpec(_Frozen):
+    """What a run writes besides report.json."""
+
+    timeline: bool = True
+    """Write timeline.png, one row per worker."""
+    timeline_rows: int = Field(32, ge=1)
+    """Rollout rows drawn at most; larger fleets show an evenly spaced subset."""
+
+
+class Scenario(_Frozen):
+    """One workload on one set of resources, run in one or more modes with one seed."""
+
+    name: str = "scenario"
+    """A label for reports and the default run directory."""
+    seed: int = Field(0, ge=0)
+    """Seeds the workload; every mode sees the same prompts and lengths."""
+    modes: tuple[Mode, ...] = ("sync", "async", "partial")
+    """Modes to run, each on the same workload: sync, async, partial."""
+    runtime: Literal["sim"] = "sim"
+    """Where components run; `sim` is one process on a virtual clock."""
+    model: ModelSpec = ModelSpec()
+    """The policy model."""
+    gpu: GpuSpec = GpuSpec()
+    """The accelerator."""
+    resources: ResourcesSpec = ResourcesSpec()
+    """The GPU split."""
+    workload: WorkloadSpec = WorkloadSpec()
+    """Prompts and response lengths."""
+    rollout: RolloutSpec = RolloutSpec()
+    """The rollout engines."""
+    trainer: TrainerSpec = TrainerSpec()
+    """The trainer."""
+    staleness: StalenessSpec = StalenessSpec()
+    """The staleness budget."""
+    sync: SyncSpec = SyncSpec()
+    """Weight sync costs."""
+    report: ReportSpec = ReportSpec()
+    """Report extras."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Scenario":
+        n = self.workload.group_size
+        bs = self.trainer.batch_size
+        if not self.modes:
+            raise ConfigError("modes", list(self.modes), "no mode to run", "list one or more of sync, async, partial")
+        if len(set(self.modes)) != len(self.modes):
+            raise ConfigError("modes", list(self.modes), "a mode is listed twice", "list each mode once")
+        if bs % n:
+            fix = f"use a multiple of workload.group_size = {n}, such as {max(n, round(bs / n) * n)}"
+            raise ConfigError("trainer.batch_size", bs, "must hold whole groups", fix)
+        r = self.resources
+        if r.rollout_gpus % r.gpus_per_engine:
+            raise ConfigError(
+                "resources.rollout_gpus", r.rollout_gpus,
+                f"does not divide into engines of resources.gpus_per_engine = {r.gpus_per_engine}",
+                f"use a multiple of {r.gpus_per_engine}",
+            )
+        if (r.rollout_gpus + r.trainer_gpus) % r.gpus_per_engine:
+            raise ConfigError(
+                "resources.trainer_gpus", r.trainer_gpus,
+                "sync mode colocates all GPUs, which must divide into engines of resources.gpus_per_engine",
+                f"make rollout_gpus + trainer_gpus a multiple of {r.gpus_per_engine}",
+            )
+        mc = self.rollout.max_concurrency
+        if mc is not None and mc < n:
+            raise ConfigError("rollout.max_concurrency", mc, "cannot hold one group", f"use at least workload.group_size = {n}")
+        lead = self.staleness.admission_lead
+        if lead is not None and lead > self.staleness.max_staleness:
+            raise ConfigError(
+                "staleness.admission_lead", lead,
+                f"runs further ahead than staleness.max_staleness = {self.staleness.max_staleness} lets anything be trained",
+                f"use at most {self.staleness.max_staleness}, or raise staleness.max_staleness",
+            )
+        return self
+
+    @property
+    def window(self) -> int:
+        """Samples trained per version: one sync window."""
+        return self.trainer.batch_size * self.trainer.sync_every
+
+    @property
+    def lead(self) -> float:
+        """Sync windows rollout may run ahead of training."""
+        a = self.staleness.admission_lead
+        return float(self.staleness.max_staleness) if a is None else a
+
+
+def with_changes(sc: Scenario, changes: dict[str, object]) -> Scenario:
+    """A validated copy of ``sc`` with dotted-key changes, e.g. ``{"trainer.steps": 10}``."""
+    data = sc.model_dump()
+    for key, value in changes.items():
+        node = data
+        *path, leaf = key.split(".")
+        for part in path:
+            node = node[part]
+        node[leaf] = value
+    return Scenario.model_validate(data)

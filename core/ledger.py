@@ -1,0 +1,95 @@
+"""Accounting of every sample: produced = trained + dropped (by reason) + in flight.
+
+Counts come from the component that owns each transition (the Rollouter admits, the
+Trainer trains, the queue and the Rollouter drop), so a sample that a bug loses shows
+up as ``lost`` instead of vanishing.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from core.sample import Group
+
+
+class LedgerError(RuntimeError):
+    """An accounting rule was broken (a sample trained twice, or trained too stale)."""
+
+
+class Ledger:
+    def __init__(self, max_staleness: int) -> None:
+        self.max_staleness = max_staleness
+        self.produced = 0
+        self.trained = 0
+        self.dropped: Counter[str] = Counter()
+        self._trained_mask = bytearray()
+        # one entry per trained group
+        self.trained_log: list[tuple[int, int, int]] = []  # (prompt_id, generation version, train version)
+        self.e2e_s: list[float] = []
+        self.group_sizes: list[int] = []
+        # per trained sample aggregates
+        self.staleness_sum = 0
+        self.staleness_max = 0
+        self.token_staleness_sum = 0
+        self.response_tokens = 0
+        self.prompt_tokens = 0
+        self.tokens_sq = 0
+        self.interrupted = 0
+        self.interrupts = 0
+        self.resumes = 0
+        self.max_response = 0
+        self.step_ends: list[tuple[float, int]] = []  # (time, samples trained so far)
+
+    def admitted(self, group: Group) -> None:
+        self.produced += group.size
+
+    def dropped_groups(self, groups: list[Group], reason: str) -> None:
+        for g in groups:
+            self.dropped[reason] += g.size
+
+    def trained_groups(self, groups: list[Group], version: int, now: float) -> None:
+        mask = self._trained_mask
+        for g in groups:
+            lo = g.samples[0].uid
+            hi = lo + g.size
+            if hi > len(mask):
+                mask.extend(bytes(max(hi - len(mask), len(mask))))
+            if any(mask[lo:hi]):
+                raise LedgerError(f"prompt {g.prompt_id}: a sample is trained twice")
+            mask[lo:hi] = b"\x01" * g.size
+            stale = version - g.version
+            if stale > self.max_staleness:
+                raise LedgerError(
+                    f"prompt {g.prompt_id}: trained at version {version} from version {g.version}, "
+                    f"staler than max_staleness {self.max_staleness}"
+                )
+            if g.resumes != g.aborts:
+                raise LedgerError(f"prompt {g.prompt_id}: interrupted {g.aborts} times but resumed {g.resumes} times")
+            n = g.size
+            self.trained += n
+            self.staleness_sum += stale * n
+            self.staleness_max = max(self.staleness_max, stale)
+            self.trained_log.append((g.prompt_id, g.version, version))
+            self.e2e_s.append(now - g.admitted_at)
+            self.group_sizes.append(n)
+            self.resumes += g.resumes
+            for s in g.samples:
+                if not s.finished:
+                    raise LedgerError(f"sample {s.uid}: trained before its generation finished")
+                self.max_response = max(self.max_response, s.n_response)
+                self.response_tokens += s.n_response
+                self.prompt_tokens += s.n_prompt
+                t = s.n_prompt + s.n_response
+                self.tokens_sq += t * t
+                if s.interrupts:
+                    self.interrupted += 1
+                    self.interrupts += s.interrupts
+                for v, k in s.version_spans:
+                    self.token_staleness_sum += (version - v) * k
+
+    def step_done(self, now: float) -> None:
+        self.step_ends.append((now, self.trained))
+
+    @property
+    def dropped_total(self) -> int:
+        return sum(self.dropped.values())

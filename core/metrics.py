@@ -1,0 +1,93 @@
+"""Report metrics of one run, each name defined once here, units in the name.
+
+The sim runtime reports simulated seconds everywhere except ``sim/wall_s``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from core.bound import pipeline_bound
+from core.driver import System, in_flight
+
+# Keys whose values depend on the machine, not on the scenario and seed.
+WALL_CLOCK_KEYS = frozenset({"sim/wall_s"})
+
+
+def _mean(xs: list[float]) -> float:
+    return float(np.mean(xs)) if xs else 0.0
+
+
+def collect(system: System) -> dict[str, float | int | str]:
+    """Every metric of a finished run."""
+    sc, led, place = system.scenario, system.ledger, system.placement
+    end = system.end_s
+    ps = system.param_sync
+    engines = system.engines
+    trained = led.trained
+    engine_busy = sum(e.busy_s for e in engines)
+    trainer_compute = system.train_backend.compute_s
+    gpu_busy = engine_busy * place.gpus_per_engine + trainer_compute * place.trainer_gpus
+    generated = sum(e.tokens_generated for e in engines)
+    dropped = led.dropped_total
+    observed = in_flight(system)
+    e2e = np.asarray(led.e2e_s) if led.e2e_s else np.zeros(1)
+    bound = pipeline_bound(sc, system.mode)
+    thr = trained / end if end > 0 else 0.0
+
+    m: dict[str, float | int | str] = {
+        "throughput/trained_samples_per_s": thr,
+        "throughput/trained_tokens_per_s": (led.prompt_tokens + led.response_tokens) / end if end else 0.0,
+        "throughput/generated_tokens_per_s": generated / end if end else 0.0,
+        "latency/sample_e2e_p50_s": float(np.percentile(e2e, 50)),
+        "latency/sample_e2e_p99_s": float(np.percentile(e2e, 99)),
+        "latency/step_mean_s": end / max(1, system.trainer.step),
+        "sync/count": len(ps.pause_s),
+        "sync/pause_mean_s": _mean(ps.pause_s),
+        "sync/drain_mean_s": _mean(ps.drain_s),
+        "sync/transfer_mean_s": _mean(ps.transfer_s),
+        "util/rollout_busy": engine_busy / (len(engines) * end) if end else 0.0,
+        "util/rollout_batch_mean": sum(e.seq_s for e in engines) / engine_busy if engine_busy else 0.0,
+        "util/trainer_busy": trainer_compute / end if end else 0.0,
+        "util/trainer_wait_s": system.trainer.wait_s,
+        "util/gpu": gpu_busy / (place.total_gpus * end) if end else 0.0,
+        "util/gpu_source": "modeled",
+        "staleness/mean": led.staleness_sum / trained if trained else 0.0,
+        "staleness/token_mean": led.token_staleness_sum / led.response_tokens if led.response_tokens else 0.0,
+        "staleness/max": led.staleness_max,
+        "partial/ratio": led.interrupted / trained if trained else 0.0,
+        "partial/interrupts": led.interrupts,
+        "partial/resumes": led.resumes,
+        "samples/produced": led.produced,
+        "samples/trained": trained,
+        "samples/dropped": dropped,
+        "samples/in_flight": observed,
+        "samples/lost": led.produced - trained - dropped - observed,
+        "tokens/generated": generated,
+        "tokens/trained_response": led.response_tokens,
+        "tokens/prefill": sum(e.prefill_tokens for e in engines),
+        "bound/trained_samples_per_s": bound.trained_samples_per_s,
+        "bound/resource_samples_per_s": bound.resource_samples_per_s,
+        "bound/rollout_samples_per_s": bound.rollout_samples_per_s,
+        "bound/trainer_samples_per_s": bound.trainer_samples_per_s,
+        "bound/limited_by": bound.limited_by,
+        "bound/version_bubble_s": bound.version_bubble_s,
+        "bound/efficiency": thr / bound.trained_samples_per_s if bound.trained_samples_per_s else 0.0,
+        "trainer/steps": system.trainer.step,
+        "trainer/final_version": system.trainer.version,
+        "sim/duration_s": end,
+        "sim/wall_s": system.wall_s,
+    }
+    for reason, n in sorted(led.dropped.items()):
+        m[f"samples/dropped_{reason}"] = n
+    return m
+
+
+def series(system: System) -> dict[str, list]:
+    """Time series for plots and report.json."""
+    led = system.ledger
+    return {
+        "step_end_s": [t for t, _ in led.step_ends],
+        "trained_samples": [n for _, n in led.step_ends],
+        "staleness_per_group": [tv - gv for _, gv, tv in led.trained_log],
+    }

@@ -1,0 +1,69 @@
+"""ParamSync: pause rollout, transfer weights, bump the version, resume.
+
+Pause time (rollout stopped, drain included) and transfer time are recorded apart, so a
+report shows whether a sync costs bandwidth or waiting for the longest response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Optional, Protocol
+
+from core.rollouter import PauseMode, Rollouter
+from core.staleness_queue import AsyncStalenessQueue
+from core.timeline import SYNC, Timeline
+
+
+class WeightTransfer(Protocol):
+    async def send(self, version: int) -> None: ...
+
+
+class SimWeightTransfer:
+    """Waits out the modelled transfer time on the (virtual) clock."""
+
+    def __init__(self, cost) -> None:
+        self.cost = cost
+
+    async def send(self, version: int) -> None:
+        await asyncio.sleep(self.cost.seconds())
+
+
+class ParamSync:
+    def __init__(
+        self,
+        *,
+        rollouter: Rollouter,
+        queue: AsyncStalenessQueue,
+        transfer: WeightTransfer,
+        mode: PauseMode,
+        timeline: Optional[Timeline] = None,
+    ) -> None:
+        self.rollouter = rollouter
+        self.queue = queue
+        self.transfer = transfer
+        self.mode = mode
+        self.timeline = timeline
+        self.pause_s: list[float] = []
+        self.drain_s: list[float] = []
+        self.transfer_s: list[float] = []
+        self.evicted = 0
+
+    async def sync(self, version: int) -> None:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await self.rollouter.pause(self.mode)
+        t1 = loop.time()
+        await self.transfer.send(version)
+        t2 = loop.time()
+        await self.rollouter.update_weights(version)
+        evicted = self.queue.set_version(version)
+        self.evicted += sum(g.size for g in evicted)
+        self.rollouter.dropped_from_queue(evicted, "stale")
+        self.rollouter.resume()
+        t3 = loop.time()
+        self.drain_s.append(t1 - t0)
+        self.transfer_s.append(t2 - t1)
+        self.pause_s.append(t3 - t0)
+        if self.timeline is not None:
+            self.timeline.add("trainer", SYNC, t0, t3)  # the trainer waits from the request on
+            self.timeline.add("rollout", SYNC, t1, t3)  # engines stop once drained or aborted

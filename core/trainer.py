@@ -1,0 +1,100 @@
+"""The Trainer: pulls whole groups from the queue, trains, and triggers a weight sync every
+``sync_every`` steps. What one step costs is its backend's business (simulated or real)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable, Optional, Protocol
+
+from core.ledger import Ledger
+from core.param_sync import ParamSync
+from core.sample import Group
+from core.staleness_queue import AsyncStalenessQueue
+from core.timeline import TRAIN, Timeline
+
+
+class TrainBackend(Protocol):
+    async def train_step(self, groups: list[Group], version: int) -> dict: ...
+
+
+class SimTrainBackend:
+    """Waits out the modelled time of a step on the (virtual) clock."""
+
+    def __init__(self, cost) -> None:
+        self.cost = cost
+        self.compute_s = 0.0
+
+    async def train_step(self, groups: list[Group], version: int) -> dict:
+        tokens = 0
+        tokens_sq = 0
+        for g in groups:
+            for s in g.samples:
+                t = s.n_prompt + s.n_response
+                tokens += t
+                tokens_sq += t * t
+        dt = self.cost.step_s(tokens, tokens_sq)
+        self.compute_s += dt
+        await asyncio.sleep(dt)
+        return {"tokens": tokens}
+
+
+class Trainer:
+    """Consumer of the queue.
+
+    ``pull_window`` makes it wait for a whole sync window before its first step of each
+    version: the colocated sync baseline, where the same GPUs generate, then train.
+    """
+
+    def __init__(
+        self,
+        *,
+        queue: AsyncStalenessQueue,
+        ledger: Ledger,
+        backend: TrainBackend,
+        param_sync: ParamSync,
+        groups_per_step: int,
+        sync_every: int,
+        steps: int,
+        timeline: Optional[Timeline] = None,
+        pull_window: bool = False,
+        on_step: Optional[Callable[[int, float, int], None]] = None,
+    ) -> None:
+        self.queue = queue
+        self.ledger = ledger
+        self.backend = backend
+        self.param_sync = param_sync
+        self.groups_per_step = groups_per_step
+        self.sync_every = sync_every
+        self.steps = steps
+        self.timeline = timeline
+        self.pull_window = pull_window
+        self.on_step = on_step
+        self.version = 0
+        self.step = 0
+        self.holding: list[Group] = []  # pulled, not yet trained
+        self.wait_s = 0.0
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.step < self.steps:
+            if not self.holding:
+                steps_left = min(self.sync_every - self.step % self.sync_every, self.steps - self.step)
+                k = self.groups_per_step * (steps_left if self.pull_window else 1)
+                t0 = loop.time()
+                self.holding = await self.queue.get_batch(k)
+                self.wait_s += loop.time() - t0
+            batch = self.holding[: self.groups_per_step]
+            t0 = loop.time()
+            await self.backend.train_step(batch, self.version)
+            now = loop.time()
+            del self.holding[: self.groups_per_step]
+            self.ledger.trained_groups(batch, self.version, now)
+            if self.timeline is not None:
+                self.timeline.add("trainer", TRAIN, t0, now)
+            self.step += 1
+            self.ledger.step_done(now)
+            if self.on_step is not None:
+                self.on_step(self.step, now, self.ledger.trained)
+            if self.step % self.sync_every == 0 and self.step < self.steps:
+                self.version += 1
+                await self.param_sync.sync(self.version)
