@@ -1,0 +1,115 @@
+"""The terminal: a progress display while modes run and the comparison table after."""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+
+class ModeProgress:
+    """Shows the running mode, simulated time and trained samples; redraws at most 10 times a second."""
+
+    def __init__(self, console: Console, total_steps: int) -> None:
+        self.console = console
+        self.total = total_steps
+        self._progress = Progress(
+            TextColumn("[bold]{task.fields[mode]:>14}"),
+            BarColumn(),
+            TextColumn("step {task.completed:>6.0f}/{task.total:.0f}"),
+            TextColumn("sim {task.fields[sim]:>10}"),
+            TextColumn("{task.fields[samples]:>10} samples"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+            disable=not console.is_terminal,
+        )
+        self._task = None
+        self._last = 0.0
+
+    def __enter__(self) -> "ModeProgress":
+        self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._progress.__exit__(*exc)
+
+    def start(self, mode: str) -> None:
+        self._task = self._progress.add_task(mode, total=self.total, mode=mode, sim="0 s", samples=0)
+        self._last = 0.0
+
+    def on_step(self, step: int, sim_s: float, trained: int) -> None:
+        now = time.monotonic()
+        if step < self.total and now - self._last < 0.1:
+            return
+        self._last = now
+        self._progress.update(self._task, completed=step, sim=_duration(sim_s), samples=f"{trained:,}")
+
+
+def _duration(s: float) -> str:
+    if s < 120:
+        return f"{s:.1f} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    return f"{s / 3600:.2f} h"
+
+
+def comparison_table(name: str, summary: dict) -> Table:
+    t = Table(title=f"{name}: one workload, one seed, every mode", title_justify="left")
+    cols = [
+        ("mode", None),
+        ("trained/s", "throughput/trained_samples_per_s"),
+        ("vs sync", "speedup_vs_sync"),
+        ("bound eff.", "bound/efficiency"),
+        ("GPU util", "util/gpu"),
+        ("rollout busy", "util/rollout_busy"),
+        ("trainer busy", "util/trainer_busy"),
+        ("sync pause", "sync/pause_mean_s"),
+        ("e2e p99", "latency/sample_e2e_p99_s"),
+        ("staleness", "staleness/mean"),
+        ("max", "staleness/max"),
+        ("partial", "partial/ratio"),
+        ("lost", "samples/lost"),
+    ]
+    for title, _ in cols:
+        t.add_column(title, justify="left" if title == "mode" else "right")
+    for mode, row in summary["modes"].items():
+        cells = [mode]
+        for _, key in cols[1:]:
+            cells.append(_fmt(key, row.get(key)))
+        t.add_row(*cells)
+    return t
+
+
+def _fmt(key: str, v) -> str:
+    if v is None:
+        return "-"
+    if key in ("util/gpu", "util/rollout_busy", "util/trainer_busy", "bound/efficiency", "partial/ratio"):
+        return f"{100 * v:.0f}%"
+    if key == "speedup_vs_sync":
+        return f"{v:.2f}x"
+    if key.endswith("_per_s"):
+        return f"{v:,.2f}"
+    if key.endswith("_s"):
+        return _duration(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    return f"{v:.2f}"
+
+
+def published_table(name: str, summary: dict) -> Table:
+    """Predicted speedups beside published ones, with how far off each is."""
+    t = Table(title=f"{name}: predicted vs published", title_justify="left")
+    for col in ("variant", "mode", "predicted vs sync", "published", "off by", "source"):
+        t.add_column(col, justify="left" if col in ("variant", "mode", "source") else "right")
+    for label, entry in summary["variants"].items():
+        pub = entry.get("published") or {}
+        if "speedup_vs_sync" not in pub:
+            continue
+        mode = pub.get("mode", "partial")
+        pred = entry["modes"].get(mode, {}).get("speedup_vs_sync")
+        off = f"{100 * (pred / pub['speedup_vs_sync'] - 1):+.0f}%" if pred else "-"
+        t.add_row(label, mode, _fmt("speedup_vs_sync", pred), _fmt("speedup_vs_sync", pub["speedup_vs_sync"]), off, str(pub.get("source", "")))
+    return t

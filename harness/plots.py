@@ -1,0 +1,66 @@
+"""Plots of one run: the per-worker timeline (generate / train / sync / idle) and progress."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+from core.driver import System  # noqa: E402
+from core.timeline import GENERATE, SYNC, TRAIN  # noqa: E402
+
+COLORS = {GENERATE: "#2a9d8f", TRAIN: "#264653", SYNC: "#e76f51"}
+IDLE = "#eeeeee"
+
+
+def timeline_png(system: System, path: Path, max_rows: int) -> None:
+    """One row per worker; idle is the grey background. Colocated GPUs train and sync on every row."""
+    tl = system.timeline
+    end = system.end_s
+    engines = [e.name for e in system.engines]
+    if len(engines) > max_rows:
+        step = len(engines) / max_rows
+        engines = [engines[int(i * step)] for i in range(max_rows)]
+    trainer_spans = tl.spans.get("trainer", [])
+    colocated = system.placement.colocated
+    rows = [] if colocated else [("trainer", trainer_spans)]
+    for name in engines:
+        spans = list(tl.spans.get(name, []))
+        if colocated:
+            spans += trainer_spans
+        else:
+            spans += tl.spans.get("rollout", [])
+        rows.append((name, spans))
+
+    fig, (ax, ax2) = plt.subplots(
+        2, 1, figsize=(12, 2.2 + 0.22 * len(rows)), gridspec_kw={"height_ratios": [max(3, len(rows) / 4), 1.4]}
+    )
+    for y, (name, spans) in enumerate(rows):
+        ax.broken_barh([(0, end)], (y - 0.4, 0.8), facecolors=IDLE)
+        for kind in (GENERATE, TRAIN, SYNC):
+            bars = [(s, e - s) for k, s, e in spans if k == kind]
+            if bars:
+                ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=COLORS[kind], linewidth=0)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([n for n, _ in rows], fontsize=6)
+    ax.invert_yaxis()
+    ax.set_xlim(0, end)
+    shown = f"{len(engines)} of {len(system.engines)} engines" if len(engines) < len(system.engines) else f"{len(engines)} engines"
+    where = "colocated: every GPU generates, then trains" if colocated else "rollout and trainer GPUs apart"
+    ax.set_title(f"{system.scenario.name} / {system.mode}: {shown}, {where}", fontsize=9, loc="left")
+    ax.legend(
+        handles=[Patch(color=c, label=k) for k, c in COLORS.items()] + [Patch(color=IDLE, label="idle")],
+        loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=4, frameon=False,
+    )
+    ends = system.ledger.step_ends
+    ax2.plot([0] + [t for t, _ in ends], [0] + [n for _, n in ends], color=COLORS[TRAIN])
+    ax2.set_xlim(0, end)
+    ax2.set_xlabel("simulated seconds" if system.scenario.runtime == "sim" else "seconds")
+    ax2.set_ylabel("trained samples", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

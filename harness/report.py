@@ -1,0 +1,114 @@
+"""Reports out: ``<mode>/report.json`` per mode and ``summary.json`` across modes."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+from core.bound import pipeline_bound
+from core.config import Scenario
+from core.driver import System
+from core.metrics import collect, series
+from ext import squeue
+
+SCHEMA = "asyncrl.report/1"
+SUMMARY_SCHEMA = "asyncrl.summary/1"
+SUMMARY_KEYS = (
+    "throughput/trained_samples_per_s",
+    "throughput/trained_tokens_per_s",
+    "latency/sample_e2e_p99_s",
+    "sync/pause_mean_s",
+    "util/gpu",
+    "util/rollout_busy",
+    "util/trainer_busy",
+    "staleness/mean",
+    "staleness/max",
+    "partial/ratio",
+    "samples/lost",
+    "bound/trained_samples_per_s",
+    "bound/efficiency",
+    "sim/wall_s",
+)
+_PACKAGES = ("numpy", "pydantic", "pyyaml", "rich", "matplotlib", "cython")
+
+
+def _git() -> dict:
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+
+    try:
+        return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain"))}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def _packages() -> dict:
+    out = {}
+    for name in _PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def environment() -> dict:
+    """Machine, packages and commit: recorded, never part of the metrics."""
+    return {
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+        },
+        "packages": _packages(),
+        "backend": {"squeue": squeue.BACKEND},
+        "git": _git(),
+    }
+
+
+def build(sc: Scenario, system: System, env: dict) -> dict:
+    return {
+        "schema": SCHEMA,
+        "scenario_name": sc.name,
+        "mode": system.mode,
+        "runtime": sc.runtime,
+        "seed": sc.seed,
+        "scenario": sc.model_dump(mode="json"),
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **env,
+        "metrics": collect(system),
+        "bound": pipeline_bound(sc, system.mode).as_dict(),
+        "series": series(system),
+    }
+
+
+def summary(sc: Scenario, reports: dict[str, dict]) -> dict:
+    base = reports.get("sync", {}).get("metrics", {}).get("throughput/trained_samples_per_s")
+    modes = {}
+    for mode, rep in reports.items():
+        m = rep["metrics"]
+        row = {k: m[k] for k in SUMMARY_KEYS}
+        thr = m["throughput/trained_samples_per_s"]
+        row["speedup_vs_sync"] = thr / base if base else None
+        modes[mode] = row
+    return {"schema": SUMMARY_SCHEMA, "scenario_name": sc.name, "seed": sc.seed, "modes": modes}
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def variants_summary(sc: Scenario, entries: dict[str, tuple[dict, dict]]) -> dict:
+    """One summary for a file of variants: each variant's summary beside its published figures."""
+    return {
+        "schema": SUMMARY_SCHEMA,
+        "scenario_name": sc.name,
+        "variants": {label: {"modes": summ["modes"], "published": pub} for label, (summ, pub) in entries.items()},
+    }
