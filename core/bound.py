@@ -41,6 +41,7 @@ the drain at each sync is what breaks it in async mode.
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import asdict, dataclass
 
@@ -125,8 +126,6 @@ def _budget_paced_run(sc: Scenario, lengths: np.ndarray, reach: np.ndarray, pref
                       train: TrainCost, transfer: float, lead: float) -> tuple[float, float]:
     """Seconds the run takes when only the staleness budget and training pace it, and the
     seconds of it the trainer is busy (steps and transfers)."""
-    import heapq
-
     n = sc.workload.group_size
     p = sc.workload.prompt_tokens
     per_step = sc.trainer.batch_size // n

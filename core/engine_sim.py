@@ -80,11 +80,6 @@ class SimEngine:
         self._timer_key = 0.0
 
     # -- protocol ---------------------------------------------------------------------------
-    @property
-    def load(self) -> int:
-        """Requests running or waiting on this engine."""
-        return len(self._heap) + len(self._waiting)
-
     async def generate(self, group: Group, max_response_len: int) -> bool:
         """Generate every unfinished response of ``group``; False if aborted first.
 
@@ -183,6 +178,8 @@ class SimEngine:
             stall += cost.prefill_s(start, req.ctx)
             self.prefill_tokens += req.ctx - start
             req.join = self._S
+            if s.started_at != s.started_at:  # NaN: first time in a batch
+                s.started_at = now
             self._C += req.ctx
             self._seq += 1
             heapq.heappush(self._heap, (self._S + req.steps, self._seq, req))

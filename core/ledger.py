@@ -76,6 +76,7 @@ class Ledger:
             for s in g.samples:
                 if not s.finished:
                     raise LedgerError(f"sample {s.uid}: trained before its generation finished")
+                s.trained_at = now
                 self.max_response = max(self.max_response, s.n_response)
                 self.response_tokens += s.n_response
                 self.prompt_tokens += s.n_prompt

@@ -49,7 +49,7 @@ def collect(system: System) -> dict[str, float | int | str]:
         "util/rollout_busy": engine_busy / (len(engines) * end) if end else 0.0,
         "util/rollout_batch_mean": sum(e.seq_s for e in engines) / engine_busy if engine_busy else 0.0,
         "util/trainer_busy": trainer_compute / end if end else 0.0,
-        "util/trainer_wait_s": system.trainer.wait_s,
+        "trainer/wait_s": system.trainer.wait_s,
         "util/gpu": gpu_busy / (place.total_gpus * end) if end else 0.0,
         "util/gpu_source": "modeled",
         "staleness/mean": led.staleness_sum / trained if trained else 0.0,

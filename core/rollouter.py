@@ -8,7 +8,6 @@ responses in a cancel queue that is served first after ``resume``.
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 from collections import deque
 from typing import Literal, Optional, Protocol
@@ -16,8 +15,6 @@ from typing import Literal, Optional, Protocol
 from core.ledger import Ledger
 from core.sample import Group, Sample
 from core.staleness_queue import AsyncStalenessQueue
-
-log = logging.getLogger(__name__)
 
 PauseMode = Literal["wait", "abort"]
 
@@ -106,7 +103,10 @@ class Rollouter:
         pid = self._next_prompt
         self._next_prompt += 1
         now = asyncio.get_running_loop().time()
-        samples = [Sample(uid=pid * n + i, prompt_id=pid, index=i, n_prompt=self.prompt_tokens) for i in range(n)]
+        samples = [
+            Sample(uid=pid * n + i, prompt_id=pid, index=i, n_prompt=self.prompt_tokens, admitted_at=now)
+            for i in range(n)
+        ]
         g = Group(prompt_id=pid, samples=samples, version=self.version, admitted_at=now)
         self.admitted += n
         self.ledger.admitted(g)
