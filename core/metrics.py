@@ -34,6 +34,19 @@ def collect(system: System) -> dict[str, float | int | str]:
     e2e = np.asarray(led.e2e_s) if led.e2e_s else np.zeros(1)
     bound = pipeline_bound(sc, system.mode)
     thr = trained / end if end > 0 else 0.0
+    gpu_s = place.total_gpus * end
+    rollout_gpus = len(engines) * place.gpus_per_engine
+    if place.colocated:
+        sync_gpu_s = sum(ps.pause_s) * place.total_gpus
+    else:  # the trainer waits out the whole sync; engines stop only while weights move
+        sync_gpu_s = sum(ps.pause_s) * place.trainer_gpus + sum(ps.transfer_s) * rollout_gpus
+    share = {
+        "generate": engine_busy * place.gpus_per_engine,
+        "train": trainer_compute * place.trainer_gpus,
+        "sync": sync_gpu_s,
+    }
+    share = {k: v / gpu_s if gpu_s else 0.0 for k, v in share.items()}
+    share["idle"] = max(0.0, 1.0 - sum(share.values()))
 
     m: dict[str, float | int | str] = {
         "throughput/trained_samples_per_s": thr,
@@ -52,6 +65,10 @@ def collect(system: System) -> dict[str, float | int | str]:
         "trainer/wait_s": system.trainer.wait_s,
         "util/gpu": gpu_busy / (place.total_gpus * end) if end else 0.0,
         "util/gpu_source": "modeled",
+        "gpu_time/generate": share["generate"],
+        "gpu_time/train": share["train"],
+        "gpu_time/sync": share["sync"],
+        "gpu_time/idle": share["idle"],
         "staleness/mean": led.staleness_sum / trained if trained else 0.0,
         "staleness/token_mean": led.token_staleness_sum / led.response_tokens if led.response_tokens else 0.0,
         "staleness/max": led.staleness_max,

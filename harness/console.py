@@ -63,9 +63,7 @@ def comparison_table(name: str, summary: dict) -> Table:
         ("trained/s", "throughput/trained_samples_per_s"),
         ("vs sync", "speedup_vs_sync"),
         ("bound eff.", "bound/efficiency"),
-        ("GPU util", "util/gpu"),
-        ("rollout busy", "util/rollout_busy"),
-        ("trainer busy", "util/trainer_busy"),
+        ("GPU time: gen / train / sync / idle", "gpu_time"),
         ("sync pause", "sync/pause_mean_s"),
         ("e2e p99", "latency/sample_e2e_p99_s"),
         ("staleness", "staleness/mean"),
@@ -78,7 +76,10 @@ def comparison_table(name: str, summary: dict) -> Table:
     for mode, row in summary["modes"].items():
         cells = [mode]
         for _, key in cols[1:]:
-            cells.append(_fmt(key, row.get(key)))
+            if key == "gpu_time":
+                cells.append(" / ".join(f"{100 * row[f'gpu_time/{k}']:.0f}%" for k in ("generate", "train", "sync", "idle")))
+            else:
+                cells.append(_fmt(key, row.get(key)))
         t.add_row(*cells)
     return t
 
