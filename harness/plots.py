@@ -17,8 +17,17 @@ COLORS = {GENERATE: "#2a9d8f", TRAIN: "#264653", SYNC: "#e76f51"}
 IDLE = "#eeeeee"
 
 
+def _zoom(syncs: list, end: float, versions: int = 4) -> tuple[float, float]:
+    """A few sync windows from the middle of the run: steady state, at a readable scale."""
+    if len(syncs) < versions + 2:
+        return 0.0, end
+    i = len(syncs) // 2
+    return syncs[i - 1][2], syncs[i + versions - 1][2]
+
+
 def timeline_png(system: System, path: Path, max_rows: int) -> None:
-    """One row per worker; idle is the grey background. Colocated GPUs train and sync on every row."""
+    """Top: one row per worker over a few versions of steady state (idle is the grey background;
+    colocated GPUs train and sync on every row). Bottom: trained samples over the whole run."""
     tl = system.timeline
     end = system.end_s
     engines = [e.name for e in system.engines]
@@ -26,6 +35,7 @@ def timeline_png(system: System, path: Path, max_rows: int) -> None:
         step = len(engines) / max_rows
         engines = [engines[int(i * step)] for i in range(max_rows)]
     trainer_spans = tl.spans.get("trainer", [])
+    lo, hi = _zoom([s for s in trainer_spans if s[0] == SYNC], end)
     colocated = system.placement.colocated
     rows = [] if colocated else [("trainer", trainer_spans)]
     for name in engines:
@@ -37,18 +47,19 @@ def timeline_png(system: System, path: Path, max_rows: int) -> None:
         rows.append((name, spans))
 
     fig, (ax, ax2) = plt.subplots(
-        2, 1, figsize=(12, 2.2 + 0.22 * len(rows)), gridspec_kw={"height_ratios": [max(3, len(rows) / 4), 1.4]}
+        2, 1, figsize=(12, 2.4 + 0.22 * len(rows)), gridspec_kw={"height_ratios": [max(3, len(rows) / 4), 1.4]}
     )
     for y, (name, spans) in enumerate(rows):
-        ax.broken_barh([(0, end)], (y - 0.4, 0.8), facecolors=IDLE)
+        ax.broken_barh([(lo, hi - lo)], (y - 0.4, 0.8), facecolors=IDLE)
         for kind in (GENERATE, TRAIN, SYNC):
-            bars = [(s, e - s) for k, s, e in spans if k == kind]
+            bars = [(s, e - s) for k, s, e in spans if k == kind and e > lo and s < hi]
             if bars:
                 ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=COLORS[kind], linewidth=0)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([n for n, _ in rows], fontsize=6)
     ax.invert_yaxis()
-    ax.set_xlim(0, end)
+    ax.set_xlim(lo, hi)
+    ax.set_xlabel(f"{_clock(system)} (a few sync windows from the middle of the run)", fontsize=8)
     shown = f"{len(engines)} of {len(system.engines)} engines" if len(engines) < len(system.engines) else f"{len(engines)} engines"
     where = "colocated: every GPU generates, then trains" if colocated else "rollout and trainer GPUs apart"
     ax.set_title(f"{system.scenario.name} / {system.mode}: {shown}, {where}", fontsize=9, loc="left")
@@ -58,9 +69,14 @@ def timeline_png(system: System, path: Path, max_rows: int) -> None:
     )
     ends = system.ledger.step_ends
     ax2.plot([0] + [t for t, _ in ends], [0] + [n for _, n in ends], color=COLORS[TRAIN])
+    ax2.axvspan(lo, hi, color=COLORS[SYNC], alpha=0.15, linewidth=0)
     ax2.set_xlim(0, end)
-    ax2.set_xlabel("simulated seconds" if system.scenario.runtime == "sim" else "seconds")
+    ax2.set_xlabel(f"{_clock(system)}, whole run (shaded: the window above)", fontsize=8)
     ax2.set_ylabel("trained samples", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _clock(system: System) -> str:
+    return "simulated seconds" if system.scenario.runtime == "sim" else "seconds"
