@@ -135,12 +135,12 @@ class Rollouter:
             k = len(group.unfinished())
             self._assigned[i] += k
             self.running += k
+            self._holding += group.size
             task = asyncio.create_task(self._generate(group, i, k))
             self._active.add(task)
             task.add_done_callback(self._active.discard)
 
     async def _generate(self, group: Group, i: int, k: int) -> None:
-        self._holding += group.size
         try:
             completed = await self.engines[i].generate(group, self.max_response_len)
         finally:

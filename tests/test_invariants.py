@@ -3,8 +3,9 @@
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from core import virtual_clock
 from core.config import MODES, Scenario
-from core.driver import in_flight, run_mode
+from core.driver import connect_components, drive, in_flight, run_mode
 from core.metrics import collect
 from core.placement import effective_staleness
 
@@ -65,6 +66,26 @@ def test_every_sample_is_accounted_for(sc, mode):
     assert min(m["gpu_time/generate"], m["gpu_time/train"], m["gpu_time/sync"]) >= 0
     assert busy <= 1 + 1e-9
     assert abs(busy + m["gpu_time/idle"] - 1) < 1e-9
+
+
+@settings(max_examples=100, suppress_health_check=[HealthCheck.too_slow])
+@given(sc=scenarios(), mode=st.sampled_from(MODES))
+def test_the_ledger_balances_after_every_step_not_only_at_the_end(sc, mode):
+    checked = []
+
+    async def main():
+        system = None
+
+        def check(step, now, trained):
+            led = system.ledger
+            assert led.produced == led.trained + led.dropped_total + in_flight(system), f"step {step}"
+            checked.append(step)
+
+        system = connect_components(sc, mode, on_step=check)
+        await drive(system)
+
+    virtual_clock.run(main())
+    assert checked == list(range(1, sc.trainer.steps + 1))
 
 
 @settings(max_examples=100, suppress_health_check=[HealthCheck.too_slow])
