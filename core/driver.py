@@ -124,7 +124,7 @@ async def drive(system: System) -> System:
     system.end_s = loop.time()
     # Whatever is still generating or queued is beyond the plan: account for it.
     left = await system.rollouter.stop()
-    await asyncio.gather(rollout, return_exceptions=True)
+    await rollout  # a rollouter that failed after the trainer finished still fails the run
     queued = system.queue.drain()
     system.ledger.dropped_groups(left + queued + system.trainer.holding, "run_end")
     system.trainer.holding = []

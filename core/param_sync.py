@@ -46,7 +46,6 @@ class ParamSync:
         self.pause_s: list[float] = []
         self.drain_s: list[float] = []
         self.transfer_s: list[float] = []
-        self.evicted = 0
 
     async def sync(self, version: int) -> None:
         loop = asyncio.get_running_loop()
@@ -56,9 +55,7 @@ class ParamSync:
         await self.transfer.send(version)
         t2 = loop.time()
         await self.rollouter.update_weights(version)
-        evicted = self.queue.set_version(version)
-        self.evicted += sum(g.size for g in evicted)
-        self.rollouter.dropped_from_queue(evicted, "stale")
+        self.rollouter.dropped_from_queue(self.queue.set_version(version), "stale")
         self.rollouter.resume()
         t3 = loop.time()
         self.drain_s.append(t1 - t0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -57,30 +58,32 @@ def _duration(s: float) -> str:
 
 
 def comparison_table(name: str, summary: dict) -> Table:
-    t = Table(title=f"{name}: one workload, one seed, every mode", title_justify="left")
-    cols = [
-        ("mode", None),
-        ("trained/s", "throughput/trained_samples_per_s"),
-        ("vs sync", "speedup_vs_sync"),
-        ("bound eff.", "bound/efficiency"),
-        ("GPU time: gen / train / sync / idle", "gpu_time"),
-        ("sync pause", "sync/pause_mean_s"),
-        ("e2e p99", "latency/sample_e2e_p99_s"),
-        ("staleness", "staleness/mean"),
-        ("max", "staleness/max"),
-        ("partial", "partial/ratio"),
-        ("lost", "samples/lost"),
-    ]
-    for title, _ in cols:
-        t.add_column(title, justify="left" if title == "mode" else "right")
-    for mode, row in summary["modes"].items():
-        cells = [mode]
-        for _, key in cols[1:]:
-            if key == "gpu_time":
-                cells.append(" / ".join(f"{100 * row[f'gpu_time/{k}']:.0f}%" for k in ("generate", "train", "sync", "idle")))
-            else:
-                cells.append(_fmt(key, row.get(key)))
-        t.add_row(*cells)
+    """One row per mode, narrow enough for an 80-column terminal."""
+    modes = summary["modes"]
+    lost = sum(row["samples/lost"] for row in modes.values())
+    t = Table(
+        title=f"{name}: one workload, one seed, every mode",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        caption=(
+            "GPU time: % of all GPU-seconds generating/training/syncing/idle. "
+            f"Staleness: mean/max versions. Samples lost: {lost}."
+        ),
+        caption_justify="left",
+    )
+    for title in ("mode", "trained/s", "vs sync", "of bound", "GPU time", "sync pause", "staleness"):
+        t.add_column(title, justify="left" if title == "mode" else "right", no_wrap=True)
+    for mode, row in modes.items():
+        t.add_row(
+            mode,
+            _fmt("throughput/trained_samples_per_s", row["throughput/trained_samples_per_s"]),
+            _fmt("speedup_vs_sync", row.get("speedup_vs_sync")),
+            _fmt("bound/efficiency", row["bound/efficiency"]),
+            "/".join(f"{100 * row[f'gpu_time/{k}']:.0f}" for k in ("generate", "train", "sync", "idle")),
+            _fmt("sync/pause_mean_s", row["sync/pause_mean_s"]),
+            f"{row['staleness/mean']:.2f}/{row['staleness/max']}",
+        )
     return t
 
 

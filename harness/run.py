@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(comparison_table(title, summaries[v.label]))
     if any(v.published for v in variants):
         console.print(published_table(first.name, summary))
-    console.print(f"reports in [bold]{out}[/] (summary.json, <mode>/report.json, <mode>/timeline.png)")
+    console.print(f"reports in {out}: summary.json, <mode>/report.json, <mode>/timeline.png", highlight=False)
     return 0
 
 
