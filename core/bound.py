@@ -3,8 +3,9 @@ the scenario's GPUs, its cost model and the concurrency its staleness budget all
 
 Everything is per sync window of W samples (one version).
 
-Rollout: each engine decodes a steady full batch B = min(max_num_seqs, allowed / engines),
-allowed = min(max_concurrency, (1 + lead) * W) for async and partial and W for sync. A
+Rollout: allowed = min(max_concurrency, (1 + lead) * W) samples may be in flight (W for
+sync), routed as whole groups of n: min(engines, allowed / n) engines each decode a steady
+full batch B = min(max_num_seqs, ceil(allowed / n / busy engines) * n). A
 running sequence holds on average P + E[L^2] / (2 E[L]) context tokens (long responses
 stay in the batch longer), so an engine finishes one sample every
 E[L] * step(B, B * ctx) / B seconds, plus its share of the group's prompt prefill.
@@ -21,11 +22,16 @@ and finishes when its longest response does, on the fastest clock a cohort can h
 cohort starting together on one engine reaches decode step k after
 sum_{i<k} step(B(i), B(i) * (P + i)) seconds, B(i) being the members longer than i (the
 batch thins as it finishes). The trainer takes groups in finishing order and trains each
-step at its exact FLOP cost. Engines shared between cohorts, prefill of other groups and
-re-prefill after an abort are left out, which makes the bound higher. The cohort clock
-averages the batch over the fleet; on a few engines, where a whole group lands on one engine,
-a run can beat that average by a hair (under 1 % in the tests). What the
-budget adds to the bare steps is reported as the version bubble.
+step at its exact FLOP cost. In partial mode every group still generating at a sync is
+paused for the transfer and prefilled again (the cost model recomputes KV after a weight
+update), that stall spread evenly over the engines.
+
+Left out, which makes the bound higher: engines shared between cohorts, prefill of other
+groups, an uneven spread of re-prefill. One thing makes it lower: the clock thins the batch
+by the whole length distribution, while a whole group shares one engine, so a short group's
+own members leave early and it finishes a little sooner than the clock says. On a few
+engines a run can beat the bound by that (1 % at most in the tests). What the budget adds
+to the bare steps is reported as the version bubble.
 
 Separated (async, partial): the lower of W / (W / rollout + transfer) and the played-out
 run's rate. Colocated sync: W / rollout + W * train + transfer, in turn.
@@ -79,11 +85,14 @@ def pipeline_bound(sc: Scenario, mode: str) -> Bound:
 
     allowed = sc.rollout.max_concurrency or max(w.group_size, place.engines * sc.rollout.max_num_seqs)
     allowed = min(allowed, math.floor((1 + lead) * window + 1e-9))
-    batch = max(1, min(sc.rollout.max_num_seqs, allowed // place.engines))
+    # Groups are routed whole: too few of them leave engines empty and fill the others.
+    groups = max(1, allowed // w.group_size)
+    busy = min(place.engines, groups)
+    batch = min(sc.rollout.max_num_seqs, math.ceil(groups / busy) * w.group_size)
     decode = DecodeCost(sc, place.gpus_per_engine)
     step = decode.step_s(batch, batch * (p + mean_l2 / (2 * mean_l)))
     prefill = decode.prefill_s(0, w.prompt_tokens)
-    rollout = place.engines / (mean_l * step / batch + prefill / w.group_size)
+    rollout = busy / (mean_l * step / batch + prefill / w.group_size)
 
     train = TrainCost(sc, place.trainer_gpus, mode in sc.trainer.recompute_logprobs)
     mean_t = p + mean_l
@@ -98,7 +107,9 @@ def pipeline_bound(sc: Scenario, mode: str) -> Bound:
         limited = "serial generate + train"
     else:
         reach = _cohort_clock(np.sort(lengths.ravel()), max(1, min(sc.rollout.max_num_seqs, math.ceil(window / place.engines))), decode, p)
-        paced_s, busy_s = _budget_paced_run(sc, lengths.astype(np.int64), reach, prefill, train, transfer, lead)
+        paced_s, busy_s = _budget_paced_run(
+            sc, lengths.astype(np.int64), reach, decode, place.engines, train, transfer, lead, abort=mode == "partial"
+        )
         steps = sc.trainer.sync_every
         step_s = sc.trainer.batch_size * train_per_sample
         critical = paced_s / sc.trainer.steps * steps - transfer
@@ -122,28 +133,38 @@ def _cohort_clock(sorted_lengths: np.ndarray, cohort: int, decode: DecodeCost, p
     return np.concatenate(([0.0], np.cumsum(step)))
 
 
-def _budget_paced_run(sc: Scenario, lengths: np.ndarray, reach: np.ndarray, prefill: float,
-                      train: TrainCost, transfer: float, lead: float) -> tuple[float, float]:
+def _budget_paced_run(sc: Scenario, lengths: np.ndarray, reach: np.ndarray, decode: DecodeCost, engines: int,
+                      train: TrainCost, transfer: float, lead: float, abort: bool) -> tuple[float, float]:
     """Seconds the run takes when only the staleness budget and training pace it, and the
-    seconds of it the trainer is busy (steps and transfers)."""
+    seconds of it the trainer is busy (steps and transfers).
+
+    With ``abort`` (partial rollout) every group still generating at a sync is paused for the
+    transfer and then prefilled again, as the cost model charges: its prompt once and every
+    unfinished response's tokens so far, spread evenly over the engines. Groups admitted at the
+    bump queue behind that re-prefill."""
     n = sc.workload.group_size
     p = sc.workload.prompt_tokens
+    prefill = decode.prefill_s(0, p)
     per_step = sc.trainer.batch_size // n
     window_groups = sc.window / n
     plan = sc.trainer.steps * per_step
-    finish_offset = prefill + reach[lengths.max(axis=1)]
+    longest = lengths.max(axis=1)
+    finish_offset = prefill + reach[longest]
     tokens = (p + lengths).sum(axis=1).astype(np.float64)
     tokens_sq = ((p + lengths).astype(np.float64) ** 2).sum(axis=1)
+    started = np.zeros(len(lengths))  # when the group's cohort clock started, pauses included
     ready: list[tuple[float, int]] = []
     admitted = 0
     t = 0.0
+    engines_free = 0.0  # new groups start behind the re-prefill of resumed ones
     version = 0
     busy = 0.0
     for step in range(sc.trainer.steps):
         limit = min(plan, math.floor((version + 1 + lead) * window_groups + 1e-9))
         while admitted < limit:
             g = admitted % len(lengths)
-            heapq.heappush(ready, (t + float(finish_offset[g]), g))
+            started[g] = max(t, engines_free)
+            heapq.heappush(ready, (started[g] + float(finish_offset[g]), g))
             admitted += 1
         batch = [heapq.heappop(ready) for _ in range(per_step)]
         start = max(t, batch[-1][0])
@@ -153,6 +174,24 @@ def _budget_paced_run(sc: Scenario, lengths: np.ndarray, reach: np.ndarray, pref
         busy += dt
         if (step + 1) % sc.trainer.sync_every == 0 and step + 1 < sc.trainer.steps:
             version += 1
+            pause = t
             t += transfer
             busy += transfer
+            if abort:
+                stall = 0.0
+                for finish, g in ready:
+                    if finish <= pause:
+                        continue
+                    done = int(np.searchsorted(reach, pause - started[g] - prefill, side="right")) - 1
+                    if done > 0:
+                        open_members = int((lengths[g] > done).sum())
+                        stall += decode.prefill_s(0, p + done) + (open_members - 1) * decode.prefill_s(p, p + done)
+                stall /= engines
+                moved = [(f + transfer + stall, g) if f > pause else (f, g) for f, g in ready]
+                for (f, g), (f2, _) in zip(ready, moved):
+                    if f2 != f:
+                        started[g] += transfer + stall
+                ready = moved
+                heapq.heapify(ready)
+                engines_free = t + stall
     return t, busy

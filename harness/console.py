@@ -90,7 +90,9 @@ def comparison_table(name: str, summary: dict) -> Table:
 def _fmt(key: str, v) -> str:
     if v is None:
         return "-"
-    if key in ("util/gpu", "util/rollout_busy", "util/trainer_busy", "bound/efficiency", "partial/ratio"):
+    if key == "bound/efficiency":
+        return f"{100 * v:.1f}%"
+    if key in ("util/gpu", "util/rollout_busy", "util/trainer_busy", "partial/ratio"):
         return f"{100 * v:.0f}%"
     if key == "speedup_vs_sync":
         return f"{v:.2f}x"
