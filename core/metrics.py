@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from core.bound import pipeline_bound
+from core.bound import Bound, pipeline_bound
 from core.driver import System, in_flight
 
 # Keys whose values depend on the machine, not on the scenario and seed.
@@ -18,8 +18,8 @@ def _mean(xs: list[float]) -> float:
     return float(np.mean(xs)) if xs else 0.0
 
 
-def collect(system: System) -> dict[str, float | int | str]:
-    """Every metric of a finished run."""
+def collect(system: System, bound: Bound | None = None) -> dict[str, float | int | str]:
+    """Every metric of a finished run (``bound``: the mode's pipeline bound, if already computed)."""
     sc, led, place = system.scenario, system.ledger, system.placement
     end = system.end_s
     ps = system.param_sync
@@ -32,7 +32,7 @@ def collect(system: System) -> dict[str, float | int | str]:
     dropped = led.dropped_total
     observed = in_flight(system)
     e2e = np.asarray(led.e2e_s) if led.e2e_s else np.zeros(1)
-    bound = pipeline_bound(sc, system.mode)
+    bound = bound or pipeline_bound(sc, system.mode)
     thr = trained / end if end > 0 else 0.0
     gpu_s = place.total_gpus * end
     rollout_gpus = len(engines) * place.gpus_per_engine

@@ -78,6 +78,7 @@ def environment() -> dict:
 
 
 def build(sc: Scenario, system: System, env: dict) -> dict:
+    bound = pipeline_bound(sc, system.mode)
     return {
         "schema": SCHEMA,
         "scenario_name": sc.name,
@@ -87,8 +88,8 @@ def build(sc: Scenario, system: System, env: dict) -> dict:
         "scenario": sc.model_dump(mode="json"),
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         **env,
-        "metrics": collect(system),
-        "bound": pipeline_bound(sc, system.mode).as_dict(),
+        "metrics": collect(system, bound),
+        "bound": bound.as_dict(),
         "series": series(system),
     }
 

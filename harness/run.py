@@ -50,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
 
     first = variants[0].scenario
     out = args.out or Path("runs") / f"{first.name}-{datetime.now():%Y%m%d-%H%M%S}"
+    if out.exists() and not (out / "summary.json").is_file():
+        # Only an earlier run directory is ever replaced; anything else is the user's.
+        err.print(f"[bold red]error:[/] --out {out}: exists and is not a run directory; fix: pass a new directory", highlight=False)
+        return 2
     out.parent.mkdir(parents=True, exist_ok=True)
     # Build the run directory aside and move it into place whole: no half-written runs.
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))

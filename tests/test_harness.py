@@ -112,6 +112,18 @@ def test_bad_input_gives_one_clear_error_and_exit_2(tmp_path, body, overrides, e
     assert not any(tmp_path.glob(".run.*"))
 
 
+def test_out_never_replaces_a_directory_that_is_not_a_run(tmp_path):
+    keep = tmp_path / "mine"
+    keep.mkdir()
+    (keep / "notes.txt").write_text("precious")
+    assert main([QUICK, "--out", str(keep), "--no-plots", *sets(*SMALL)]) == 2
+    assert (keep / "notes.txt").read_text() == "precious"
+    run = tmp_path / "run"
+    assert main([QUICK, "--out", str(run), "--no-plots", *sets(*SMALL, "modes=[async]")]) == 0
+    assert main([QUICK, "--out", str(run), "--no-plots", *sets(*SMALL, "modes=[partial]")]) == 0
+    assert sorted(p.name for p in run.iterdir()) == ["partial", "summary.json"]
+
+
 def test_missing_file_names_it(tmp_path):
     with pytest.raises(ScenarioError, match=r"nope\.yaml: no such file"):
         load(tmp_path / "nope.yaml")
