@@ -17,6 +17,7 @@ from core.config import Scenario
 from core.costs import DecodeCost
 from core.engine_sim import SimEngine
 from core.sample import Group, Sample
+from tests.engine_reference import stepped_finish_times
 
 N_GROUPS, GROUP = 4, 16
 PROMPT = 512
@@ -44,17 +45,7 @@ def run_events(cost: DecodeCost, wl: Lengths) -> list[float]:
 
 
 def run_token_steps(cost: DecodeCost, wl: Lengths) -> list[float]:
-    lengths = wl.lengths.ravel()
-    t = sum(cost.prefill_s(0, PROMPT) for _ in range(N_GROUPS))
-    done = np.full(len(lengths), np.nan)
-    step = 0
-    while np.isnan(done).any():
-        live = np.isnan(done)
-        b = int(live.sum())
-        t += cost.step_s(b, b * (PROMPT + step))
-        step += 1
-        done[live & (lengths == step)] = t
-    return done.tolist()
+    return stepped_finish_times(cost, PROMPT, wl.lengths.ravel(), N_GROUPS * cost.prefill_s(0, PROMPT))
 
 
 @pytest.mark.parametrize("impl", ["events", "token steps"])

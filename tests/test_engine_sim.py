@@ -11,6 +11,7 @@ from core.costs import DecodeCost
 from core.engine_sim import SimEngine
 from core.sample import Group, Sample
 from core.workload import Workload
+from tests.engine_reference import stepped_finish_times
 
 
 class FixedLengths:
@@ -25,23 +26,6 @@ class FixedLengths:
 
 def group(pid, n, prompt=64):
     return Group(pid, [Sample(pid * n + i, pid, i, prompt) for i in range(n)], version=0, admitted_at=0.0)
-
-
-def stepped_finish_times(cost, prompt, lengths, stall):
-    """Token-by-token reference: one decode step at a time, everyone joins at t=0."""
-    remaining = list(lengths)
-    ctx = [prompt] * len(lengths)
-    t = stall
-    done = [None] * len(lengths)
-    while any(d is None for d in done):
-        live = [i for i, d in enumerate(done) if d is None]
-        t += cost.step_s(len(live), sum(ctx[i] for i in live))
-        for i in live:
-            ctx[i] += 1
-            remaining[i] -= 1
-            if remaining[i] == 0:
-                done[i] = t
-    return done
 
 
 def test_finish_times_match_token_by_token_reference():
