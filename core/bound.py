@@ -106,20 +106,23 @@ def pipeline_bound(sc: Scenario, mode: str) -> Bound:
         bubble = 0.0
         limited = "serial generate + train"
     else:
-        reach = _cohort_clock(np.sort(lengths.ravel()), max(1, min(sc.rollout.max_num_seqs, math.ceil(window / place.engines))), decode, p)
+        cohort = max(1, min(sc.rollout.max_num_seqs, math.ceil(window / place.engines)))
+        reach = _cohort_clock(np.sort(lengths.ravel()), cohort, decode, p)
         paced_s, busy_s = _budget_paced_run(
             sc, lengths.astype(np.int64), reach, decode, place.engines, train, transfer, lead, abort=mode == "partial"
         )
-        steps = sc.trainer.sync_every
-        step_s = sc.trainer.batch_size * train_per_sample
-        critical = paced_s / sc.trainer.steps * steps - transfer
-        bubble = max(0.0, critical - steps * step_s)
+        per_window = sc.trainer.sync_every / sc.trainer.steps
+        paced_window_s = paced_s * per_window  # trainer paced by the budget
+        busy_window_s = busy_s * per_window  # trainer never waiting for data
         roll_s = window / rollout + transfer
-        train_s = critical + transfer
-        window_s = max(roll_s, train_s)
-        resource_s = max(roll_s, busy_s / sc.trainer.steps * steps)
-        limited = "rollout" if roll_s > train_s else ("trainer + version bubble" if bubble else "trainer")
-    return Bound(window / window_s, window / resource_s, rollout, 1.0 / train_per_sample, float(bubble), batch, limited)
+        window_s = max(roll_s, paced_window_s)
+        resource_s = max(roll_s, busy_window_s)
+        bubble = max(0.0, paced_window_s - busy_window_s)
+        limited = "rollout" if roll_s > paced_window_s else ("trainer + version bubble" if bubble > 0 else "trainer")
+    return Bound(
+        float(window / window_s), float(window / resource_s), float(rollout), float(1.0 / train_per_sample),
+        float(bubble), batch, limited,
+    )
 
 
 def _cohort_clock(sorted_lengths: np.ndarray, cohort: int, decode: DecodeCost, prompt: float) -> np.ndarray:
