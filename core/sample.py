@@ -79,8 +79,3 @@ class Group:
 
     def unfinished(self) -> list[Sample]:
         return [s for s in self.samples if not s.finished]
-
-    @property
-    def uids(self) -> range:
-        first = self.samples[0].uid
-        return range(first, first + len(self.samples))

@@ -21,9 +21,3 @@ class Timeline:
             rows[-1][2] = max(rows[-1][2], end)
         else:
             rows.append([kind, start, end])
-
-    def busy_s(self, worker: str, kind: str | None = None) -> float:
-        return sum(e - s for k, s, e in self.spans.get(worker, ()) if kind is None or k == kind)
-
-    def workers(self) -> list[str]:
-        return list(self.spans)

@@ -38,9 +38,6 @@ class Workload:
             block = self._blocks[b] = self._block(b)
         return block[row]
 
-    def prompt_tokens(self, prompt_id: int) -> int:
-        return self.spec.prompt_tokens
-
     def sample_lengths(self, n_prompts: int = 8192) -> np.ndarray:
         """Response lengths of the first ``n_prompts`` prompts, one row per group."""
         return np.concatenate([self._block(b) for b in range(-(-n_prompts // _BLOCK))])[:n_prompts]
