@@ -1,4 +1,4 @@
-"""Plots of one run: the per-worker timeline (generate / train / sync / idle) and progress."""
+"""Plots of one run: the per-worker timeline (generate / train / sync / idle), progress, staleness."""
 
 from __future__ import annotations
 
@@ -46,9 +46,11 @@ def timeline_png(system: System, path: Path, max_rows: int) -> None:
             spans += tl.spans.get("rollout", [])
         rows.append((name, spans))
 
-    fig, (ax, ax2) = plt.subplots(
-        2, 1, figsize=(12, 2.4 + 0.22 * len(rows)), gridspec_kw={"height_ratios": [max(3, len(rows) / 4), 1.4]}
-    )
+    fig = plt.figure(figsize=(12, 2.4 + 0.22 * len(rows)))
+    grid = fig.add_gridspec(2, 2, height_ratios=[max(3, len(rows) / 4), 1.4], width_ratios=[4, 1])
+    ax = fig.add_subplot(grid[0, :])
+    ax2 = fig.add_subplot(grid[1, 0])
+    ax3 = fig.add_subplot(grid[1, 1])
     for y, (name, spans) in enumerate(rows):
         ax.broken_barh([(lo, hi - lo)], (y - 0.4, 0.8), facecolors=IDLE)
         for kind in (GENERATE, TRAIN, SYNC):
@@ -73,6 +75,12 @@ def timeline_png(system: System, path: Path, max_rows: int) -> None:
     ax2.set_xlim(0, end)
     ax2.set_xlabel(f"{_clock(system)}, whole run (shaded: the window above)", fontsize=8)
     ax2.set_ylabel("trained samples", fontsize=8)
+    stale = [tv - gv for _, gv, tv in system.ledger.trained_log]
+    top = max(stale, default=0)
+    ax3.hist(stale, bins=range(top + 2), weights=system.ledger.group_sizes, color=COLORS[GENERATE], align="left", rwidth=0.8)
+    ax3.set_xticks(range(top + 1))
+    ax3.set_xlabel("staleness of trained samples (versions)", fontsize=8)
+    ax3.tick_params(labelsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
