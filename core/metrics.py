@@ -97,6 +97,8 @@ def collect(system: System, bound: Bound | None = None) -> dict[str, float | int
     }
     for reason, n in sorted(led.dropped.items()):
         m[f"samples/dropped_{reason}"] = n
+    for name, n in system.queue.counters().items():
+        m[f"queue/{name}_groups"] = n
     return m
 
 

@@ -61,6 +61,8 @@ def test_every_sample_is_accounted_for(sc, mode):
     assert led.max_response <= sc.workload.max_response_len
     assert led.interrupts == 0 or mode == "partial"
     assert len({pid for pid, _, _ in led.trained_log}) == len(led.trained_log)
+    # The queue's own eviction counter and the ledger's stale drops are two views of one event.
+    assert m["queue/evicted_groups"] * sc.workload.group_size == m.get("samples/dropped_stale", 0)
     # GPU time is split, never double counted.
     busy = m["gpu_time/generate"] + m["gpu_time/train"] + m["gpu_time/sync"]
     assert min(m["gpu_time/generate"], m["gpu_time/train"], m["gpu_time/sync"]) >= 0
