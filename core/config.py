@@ -227,13 +227,24 @@ class Scenario(_Frozen):
         return float(self.staleness.max_staleness) if a is None else a
 
 
+def set_dotted(data: dict, key: str, value: object) -> None:
+    """Set ``data["a"]["b"] = value`` for key ``"a.b"``, creating missing sections.
+
+    Raises ``ConfigError`` when a part of the path holds a value instead of a section.
+    """
+    node = data
+    *path, leaf = key.split(".")
+    for part in path:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(key, value, f"'{part}' is not a section", "set a key that exists, e.g. trainer.steps=100")
+        node = child
+    node[leaf] = value
+
+
 def with_changes(sc: Scenario, changes: dict[str, object]) -> Scenario:
     """A validated copy of ``sc`` with dotted-key changes, e.g. ``{"trainer.steps": 10}``."""
     data = sc.model_dump()
     for key, value in changes.items():
-        node = data
-        *path, leaf = key.split(".")
-        for part in path:
-            node = node[part]
-        node[leaf] = value
+        set_dotted(data, key, value)
     return Scenario.model_validate(data)

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from core.config import ConfigError, Scenario
+from core.config import ConfigError, Scenario, set_dotted
 
 
 class ScenarioError(Exception):
@@ -75,15 +75,11 @@ def _error_line(exc: ValidationError, origin: dict[str, str]) -> str:
     return f"{where}: {key} = {value!r}: {problem}; fix: {fix}{more}"
 
 
-def _set(data: dict, key: str, value: Any, item: str) -> None:
-    node = data
-    *path, leaf = key.split(".")
-    for part in path:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ScenarioError(f"--set {item}: '{part}' is not a section; fix: set a key that exists, e.g. trainer.steps=100")
-        node = child
-    node[leaf] = value
+def _set(data: dict, key: str, value: Any, where: str) -> None:
+    try:
+        set_dotted(data, key, value)
+    except ConfigError as exc:
+        raise ScenarioError(f"{where}: {exc.problem}; fix: {exc.fix}") from None
 
 
 def _read(path: Path) -> dict:
