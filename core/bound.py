@@ -190,11 +190,10 @@ def _budget_paced_run(sc: Scenario, lengths: np.ndarray, reach: np.ndarray, deco
                         open_members = int((lengths[g] > done).sum())
                         stall += decode.prefill_s(0, p + done) + (open_members - 1) * decode.prefill_s(p, p + done)
                 stall /= engines
-                moved = [(f + transfer + stall, g) if f > pause else (f, g) for f, g in ready]
-                for (f, g), (f2, _) in zip(ready, moved):
-                    if f2 != f:
+                for j, (finish, g) in enumerate(ready):
+                    if finish > pause:
+                        ready[j] = (finish + transfer + stall, g)
                         started[g] += transfer + stall
-                ready = moved
                 heapq.heapify(ready)
                 engines_free = t + stall
     return t, busy

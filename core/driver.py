@@ -42,7 +42,6 @@ class System:
     scenario: Scenario
     mode: str
     placement: Placement
-    workload: Workload
     ledger: Ledger
     timeline: Timeline
     queue: AsyncStalenessQueue
@@ -106,7 +105,7 @@ def connect_components(sc: Scenario, mode: str, on_step: Optional[ProgressFn] = 
         pull_window=place.colocated,
         on_step=on_step,
     )
-    return System(sc, mode, place, workload, ledger, timeline, queue, engines, rollouter, param_sync, trainer, backend)
+    return System(sc, mode, place, ledger, timeline, queue, engines, rollouter, param_sync, trainer, backend)
 
 
 async def drive(system: System) -> System:

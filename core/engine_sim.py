@@ -18,7 +18,7 @@ from typing import Optional
 
 from core.costs import DecodeCost
 from core.sample import Group, Sample
-from core.timeline import Timeline
+from core.timeline import GENERATE, Timeline
 from core.workload import Workload
 
 _EPS = 1e-9
@@ -234,7 +234,7 @@ class SimEngine:
         if self._busy_since is not None:
             self.busy_s += now - self._busy_since
             if self.timeline is not None:
-                self.timeline.add(self.name, "generate", self._busy_since, now)
+                self.timeline.add(self.name, GENERATE, self._busy_since, now)
             self._busy_since = None
 
     def close(self, now: float) -> None:

@@ -33,7 +33,6 @@ class Ledger:
         self.token_staleness_sum = 0
         self.response_tokens = 0
         self.prompt_tokens = 0
-        self.tokens_sq = 0
         self.interrupted = 0
         self.interrupts = 0
         self.resumes = 0
@@ -80,8 +79,6 @@ class Ledger:
                 self.max_response = max(self.max_response, s.n_response)
                 self.response_tokens += s.n_response
                 self.prompt_tokens += s.n_prompt
-                t = s.n_prompt + s.n_response
-                self.tokens_sq += t * t
                 if s.interrupts:
                     self.interrupted += 1
                     self.interrupts += s.interrupts

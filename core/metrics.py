@@ -27,7 +27,6 @@ def collect(system: System, bound: Bound | None = None) -> dict[str, float | int
     trained = led.trained
     engine_busy = sum(e.busy_s for e in engines)
     trainer_compute = system.train_backend.compute_s
-    gpu_busy = engine_busy * place.gpus_per_engine + trainer_compute * place.trainer_gpus
     generated = sum(e.tokens_generated for e in engines)
     dropped = led.dropped_total
     observed = in_flight(system)
@@ -63,7 +62,7 @@ def collect(system: System, bound: Bound | None = None) -> dict[str, float | int
         "util/rollout_batch_mean": sum(e.seq_s for e in engines) / engine_busy if engine_busy else 0.0,
         "util/trainer_busy": trainer_compute / end if end else 0.0,
         "trainer/wait_s": system.trainer.wait_s,
-        "util/gpu": gpu_busy / (place.total_gpus * end) if end else 0.0,
+        "util/gpu": share["generate"] + share["train"],
         "util/gpu_source": "modeled",
         "gpu_time/generate": share["generate"],
         "gpu_time/train": share["train"],
