@@ -9,14 +9,28 @@ Run with ``pytest bench --benchmark-only``. Implementations:
 * ``deque``        a plain collections.deque of (item, version) pairs: no capacity, no
                    staleness gate on put, no accounting; set_version always filters everything
 
+* ``asyncio.Queue`` an unbounded asyncio.Queue of (item, version) pairs, put_nowait/get_nowait:
+                   no staleness gate, no accounting (in the put256+get256 group only)
+
 Groups: ``put256+get256`` (256 single puts then one get_batch of 256), ``put_many256+get256``,
 ``set_version 1% stale of 10k`` (a full 10k queue where 100 items, at random positions, become
 stale) and ``set_version oldest 1% of 10k`` (the 100 oldest become stale, the usual case when
 versions arrive in order). Eviction benchmarks rebuild the queue outside the timing each round.
+
+``async put+get 4096 by 256`` is the path the system runs: in one event loop a producer
+task puts every item and a consumer task awaits batches of 256, until 4096 items went
+through. Each queue is used at its best: the producer puts without awaiting while there is
+space (``put_nowait``) and awaits only when full. ``core``'s AsyncStalenessQueue (on ``ext``
+or ``ref``) wakes the consumer once per batch; ``asyncio.Queue`` has no batch get, so its
+consumer awaits one item and then takes whatever is already queued without awaiting;
+``deque+Condition`` is a deque whose producer awaits every put, since notifying an
+asyncio.Condition needs its lock, and notifies once a batch is ready. Each round
+is one ``run_until_complete`` on a loop made once, so its fixed cost is the same for all.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import os
 import random
@@ -24,6 +38,7 @@ from collections import deque
 
 import pytest
 
+from core.staleness_queue import AsyncStalenessQueue
 from ext import _squeue_ref
 from ext.errors import QueueFull
 
@@ -139,9 +154,34 @@ def queue_cls(request):
 BATCH = 256
 
 
+class AsyncioQueueNowait:
+    """asyncio.Queue used without awaiting: the cheapest way to use it."""
+
+    def __init__(self, capacity: int, max_staleness: int) -> None:
+        self.q: asyncio.Queue = asyncio.Queue()
+
+    def __len__(self) -> int:
+        return self.q.qsize()
+
+    def put(self, item, version: int) -> bool:
+        self.q.put_nowait((item, version))
+        return True
+
+    def get_batch(self, n: int) -> list:
+        get = self.q.get_nowait
+        return [get()[0] for _ in range(min(n, self.q.qsize()))]
+
+
+@pytest.fixture(params=[*IMPLEMENTATIONS, "asyncio.Queue"])
+def put_get_cls(request):
+    if request.param == "asyncio.Queue":
+        return AsyncioQueueNowait
+    return IMPLEMENTATIONS[request.param]()
+
+
 @pytest.mark.benchmark(group="put256+get256")
-def test_put_get_cycle(benchmark, queue_cls):
-    q = queue_cls(4 * BATCH, 2)
+def test_put_get_cycle(benchmark, put_get_cls):
+    q = put_get_cls(4 * BATCH, 2)
     items = [object() for _ in range(BATCH)]
 
     def cycle():
@@ -207,3 +247,105 @@ def test_set_version_evicts_one_percent(benchmark, queue_cls):
 def test_set_version_evicts_oldest_one_percent(benchmark, queue_cls):
     """The stale items are the oldest ones (versions arrived in order), the usual case."""
     _bench_eviction(benchmark, queue_cls, set(range(STALE)))
+
+
+# --- the asyncio path: producer and consumer tasks in one loop --------------------------
+
+THROUGH = 16 * BATCH
+
+
+class AsyncioQueuePath:
+    """asyncio.Queue: await one item, then take what is queued without awaiting."""
+
+    def __init__(self) -> None:
+        self.q: asyncio.Queue = asyncio.Queue(maxsize=4 * BATCH)
+
+    def put_nowait(self, item, version: int) -> None:
+        self.q.put_nowait((item, version))  # asyncio.QueueFull when full
+
+    async def put(self, item, version: int) -> None:
+        await self.q.put((item, version))
+
+    async def get_batch(self, n: int) -> list:
+        q = self.q
+        out: list = []
+        while len(out) < n:
+            out.append((await q.get())[0])
+            for _ in range(min(n - len(out), q.qsize())):
+                out.append(q.get_nowait()[0])
+        return out
+
+
+class DequeConditionPath:
+    """A deque and an asyncio.Condition notified once a whole batch is queued."""
+
+    def __init__(self) -> None:
+        self.items: deque = deque()
+        self.cond = asyncio.Condition()
+        self.want = 0
+
+    async def put(self, item, version: int) -> None:
+        self.items.append((item, version))
+        if self.want and len(self.items) >= self.want:
+            async with self.cond:  # notify needs the lock: one await per batch, not per item
+                self.cond.notify()
+
+    async def get_batch(self, n: int) -> list:
+        if len(self.items) < n:
+            async with self.cond:
+                self.want = n
+                await self.cond.wait_for(lambda: len(self.items) >= n)
+                self.want = 0
+        popleft = self.items.popleft
+        return [popleft()[0] for _ in range(n)]
+
+
+ASYNC_PATHS = {
+    "ext": lambda: (lambda: AsyncStalenessQueue(4 * BATCH, 2, impl=_compiled_queue())),
+    "ref": lambda: (lambda: AsyncStalenessQueue(4 * BATCH, 2, impl=_squeue_ref.StalenessQueue)),
+    "asyncio.Queue": lambda: AsyncioQueuePath,
+    "deque+Condition": lambda: DequeConditionPath,
+}
+
+
+@pytest.fixture(params=list(ASYNC_PATHS))
+def async_path(request):
+    return ASYNC_PATHS[request.param]()
+
+
+@pytest.mark.benchmark(group="async put+get 4096 by 256")
+def test_async_put_get(benchmark, async_path):
+    items = [object() for _ in range(THROUGH)]
+    loop = asyncio.new_event_loop()
+
+    async def produce(q) -> None:
+        put_nowait = getattr(q, "put_nowait", None)
+        if put_nowait is None:  # deque+Condition: notifying needs the lock, so put is awaited
+            for item in items:
+                await q.put(item, 0)
+            return
+        for item in items:
+            try:
+                put_nowait(item, 0)
+            except (QueueFull, asyncio.QueueFull):
+                await q.put(item, 0)
+
+    async def consume(q) -> list:
+        out: list = []
+        while len(out) < THROUGH:
+            out += await q.get_batch(BATCH)
+        return out
+
+    async def through() -> list:
+        q = async_path()
+        producer = asyncio.ensure_future(produce(q))
+        out = await consume(q)
+        await producer
+        return out
+
+    try:
+        out = benchmark(lambda: loop.run_until_complete(through()))
+    finally:
+        loop.close()
+    benchmark.extra_info["items"] = THROUGH
+    assert len(out) == THROUGH and out[0] is items[0] and out[-1] is items[-1]

@@ -14,10 +14,15 @@ from ext.squeue import StalenessQueue
 
 
 class AsyncStalenessQueue:
-    """Bounded, version-gated queue; items older than ``version - max_staleness`` are evicted."""
+    """Bounded, version-gated queue; items older than ``version - max_staleness`` are evicted.
 
-    def __init__(self, capacity: int, max_staleness: int) -> None:
-        self._q = StalenessQueue(capacity, max_staleness)
+    ``impl`` is the synchronous queue class underneath; the backend ``ext.squeue`` selected
+    unless a caller (the benchmarks) compares them side by side.
+    """
+
+    def __init__(self, capacity: int, max_staleness: int, impl: type = StalenessQueue) -> None:
+        self._q = impl(capacity, max_staleness)
+        self._put = self._q.put
         self._getter: Optional[tuple[int, asyncio.Future]] = None
         self._putters: deque[asyncio.Future] = deque()
 
@@ -35,6 +40,17 @@ class AsyncStalenessQueue:
     def counters(self) -> dict[str, int]:
         return self._q.counters()
 
+    def put_nowait(self, item: Any, version: int) -> bool:
+        """Store now; False if the item was already too stale (not stored).
+
+        Raises ``QueueFull`` at capacity. The consumer is woken only once its batch is complete.
+        """
+        stored = self._put(item, version)
+        g = self._getter
+        if g is not None and len(self._q) >= g[0] and not g[1].done():
+            g[1].set_result(None)
+        return stored
+
     async def put(self, item: Any, version: int, timeout: Optional[float] = None) -> bool:
         """Wait for space, then store; False if the item was already too stale (not stored)."""
         loop = asyncio.get_running_loop()
@@ -50,9 +66,7 @@ class AsyncStalenessQueue:
                     self._putters.remove(fut)
                 except ValueError:
                     pass
-        stored = self._q.put(item, version)
-        self._wake_getter()
-        return stored
+        return self.put_nowait(item, version)
 
     async def get_batch(self, n: int, timeout: Optional[float] = None) -> list:
         """Wait until ``n`` items are queued, then pop them, oldest first."""
@@ -81,11 +95,6 @@ class AsyncStalenessQueue:
         items = self._q.get_batch(len(self._q))
         self._wake_putters()
         return items
-
-    def _wake_getter(self) -> None:
-        g = self._getter
-        if g is not None and len(self._q) >= g[0] and not g[1].done():
-            g[1].set_result(None)
 
     def _wake_putters(self) -> None:
         free = self._q.capacity - len(self._q)

@@ -6,6 +6,7 @@ import pytest
 
 from core import virtual_clock
 from core.staleness_queue import AsyncStalenessQueue
+from ext.errors import QueueFull
 
 
 def test_the_consumer_wakes_once_k_items_are_there_not_before():
@@ -91,3 +92,31 @@ def test_one_consumer_only_and_eviction_frees_space():
     evicted, stored, n, counters = virtual_clock.run(main())
     assert evicted == [0, 1, 2, 3] and stored and n == 1
     assert counters["evicted"] == 4 and counters["put"] == 5
+
+
+def test_put_nowait_refuses_when_full_and_wakes_the_consumer_once_per_batch():
+    async def main():
+        q = AsyncStalenessQueue(capacity=3, max_staleness=0)
+        got = []
+
+        async def consumer():
+            got.append(await q.get_batch(2))
+
+        task = asyncio.create_task(consumer())
+        await asyncio.sleep(0)
+        assert q.put_nowait("a", 0) is True
+        await asyncio.sleep(0)
+        assert not got  # one item of two: the consumer is not woken
+        q.put_nowait("b", 0)
+        q.put_nowait("c", 0)
+        with pytest.raises(QueueFull):
+            q.put_nowait("d", 0)
+        await task
+        q.set_version(1)  # "c" is now too stale and evicted
+        assert q.put_nowait("e", 0) is False  # refused as stale, not stored
+        return got, len(q), q.counters()
+
+    got, left, counters = virtual_clock.run(main())
+    assert got == [["a", "b"]] and left == 0
+    assert counters["put"] == 3 and counters["rejected_full"] == 1
+    assert counters["evicted"] == 1 and counters["stale_on_put"] == 1
