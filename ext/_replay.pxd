@@ -1,0 +1,57 @@
+# Declarations of the compiled replay buffer (ext/_replay.pyx), so other Cython modules can
+# `cimport` it. The Python-level API is documented in _replay.pyi and is that of the
+# pure-Python reference ext/_replay_ref.py.
+
+from cpython.object cimport PyObject
+from libc.stdint cimport int64_t, uint64_t
+
+cimport numpy as cnp
+
+
+cdef struct Rng:
+    # xoshiro256** state (never all zero: splitmix64 seeds it)
+    uint64_t s[4]
+
+
+cdef struct Field:
+    char* data  # row 0 of the storage array; row i starts at data + i * row_bytes
+    Py_ssize_t row_bytes
+    cnp.PyArray_Descr* descr  # borrowed: ReplayBuffer._dtypes holds the reference
+    int ndim  # 1 + len(shape): the dimensions of a batch of rows
+    cnp.npy_intp* dims  # the batch shape (n, *shape); dims[0] is set per call
+
+
+cdef class ReplayBuffer:
+    cdef Py_ssize_t _cap
+    cdef Py_ssize_t _pos  # the slot the next row is written to
+    cdef Py_ssize_t _size  # rows stored, in slots [0, _size)
+    cdef Py_ssize_t _nfields
+    cdef Field* _fields
+    cdef cnp.npy_intp* _dims  # every field's batch shape, one after the other
+    # Spec, in order (the Python-level side of _fields) and the storage arrays.
+    cdef tuple _names
+    cdef tuple _shapes
+    cdef tuple _dtypes
+    cdef tuple _expected  # '(n, 64)': the shape each field must have, for error messages
+    cdef frozenset _name_set
+    cdef tuple _arrays
+    cdef bint _prioritized
+    cdef double _alpha
+    cdef object _seed
+    cdef Rng _rng
+    # Priority trees (prioritized only): 2 * _leaves doubles each, node 1 the root, leaf j at
+    # node _leaves + j; _depth = log2(_leaves).
+    cdef Py_ssize_t _leaves
+    cdef int _depth
+    cdef double* _sum
+    cdef double* _min
+    cdef double _max_p  # the largest priority ever set (1.0 at first)
+    cdef double _max_q  # _max_p ** alpha: what a new row gets
+    cdef double _q_limit  # the largest p ** alpha accepted
+    # Set while a method runs with the GIL released; other threads wait for it to clear.
+    cdef int _busy
+
+    cdef Py_ssize_t _check_field(self, Py_ssize_t f, object a, Py_ssize_t n, const char** src,
+                                 PyObject** held) except -1
+    cdef void _draw_and_gather(self, int64_t* ip, double* wp, Py_ssize_t k, Py_ssize_t size,
+                               double beta, char** dst) noexcept nogil
