@@ -49,6 +49,12 @@ class Sample:
             self.response_tokens.extend(tokens)
             self.logprobs.extend(logprobs)
 
+    def __reduce_ex__(self, protocol: int):
+        # Across processes a sample is codec bytes, never a pickle of objects (core/group_wire.py).
+        from core.group_wire import reduce_sample  # group_wire imports this module
+
+        return reduce_sample(self, protocol)
+
     def token_versions(self) -> np.ndarray:
         """The policy version of every response token."""
         if not self.version_spans:
@@ -76,6 +82,12 @@ class Group:
     @property
     def size(self) -> int:
         return len(self.samples)
+
+    def __reduce_ex__(self, protocol: int):
+        # Across processes a group is codec bytes, never a pickle of objects (core/group_wire.py).
+        from core.group_wire import reduce_group  # group_wire imports this module
+
+        return reduce_group(self, protocol)
 
     def unfinished(self) -> list[Sample]:
         return [s for s in self.samples if not s.finished]
