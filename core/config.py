@@ -6,6 +6,7 @@ NVIDIA H20); every number says where it comes from. Nothing here is fitted to a 
 
 from __future__ import annotations
 
+import math
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -140,6 +141,30 @@ class SyncSpec(_Frozen):
     """Colocated mode only: time to swap between engine and trainer memory (KV cache free/rebuild) each sync (assumed)."""
 
 
+class ReplaySpec(_Frozen):
+    """An optional replay buffer (ext.replay) between the queue and the trainer, for off-policy reuse.
+
+    Fresh groups from the queue go into a ring of ``capacity_groups``; every trainer batch is
+    drawn from the ring, so a group is trained about ``reuse`` times before it is overwritten.
+    Reuse trades staleness for rollout: trained samples may then be older than
+    ``staleness.max_staleness`` by the versions a group can live in the ring, and the report
+    states that bound (``staleness/bound``).
+    """
+
+    enabled: bool = False
+    """Put the replay buffer in the pipeline; off, the trainer takes fresh groups from the queue."""
+    capacity_groups: int = Field(256, ge=1)
+    """Groups the ring holds; the oldest is overwritten when a new one arrives."""
+    reuse: float = Field(2.0, ge=1)
+    """Trained samples per fresh sample: each step takes ceil(batch groups / reuse) fresh groups from the queue."""
+    prioritized: bool = False
+    """Sample by priority (sum-tree, stratified) instead of uniformly."""
+    alpha: float = Field(0.6, ge=0)
+    """Priority exponent: P(i) ~ p_i^alpha (Schaul et al. 2016, proportional PER: 0.6)."""
+    beta: float = Field(0.4, ge=0, le=1)
+    """Importance-weight exponent (Schaul et al. 2016: 0.4, annealed towards 1 in their runs)."""
+
+
 class ReportSpec(_Frozen):
     """What a run writes besides report.json."""
 
@@ -176,6 +201,8 @@ class Scenario(_Frozen):
     """The staleness budget."""
     sync: SyncSpec = SyncSpec()
     """Weight sync costs."""
+    replay: ReplaySpec = ReplaySpec()
+    """The optional replay stage between queue and trainer."""
     report: ReportSpec = ReportSpec()
     """Report extras."""
 
@@ -213,12 +240,31 @@ class Scenario(_Frozen):
                 f"runs further ahead than staleness.max_staleness = {self.staleness.max_staleness} lets anything be trained",
                 f"use at most {self.staleness.max_staleness}, or raise staleness.max_staleness",
             )
+        rp = self.replay
+        if rp.enabled and rp.capacity_groups < bs // n:
+            raise ConfigError(
+                "replay.capacity_groups", rp.capacity_groups, f"cannot hold one trainer batch of {bs // n} groups",
+                f"use at least trainer.batch_size / workload.group_size = {bs // n}",
+            )
         return self
 
     @property
+    def fresh_groups_per_step(self) -> int:
+        """Groups each trainer step takes from the queue: all of its batch, or 1/reuse of it with replay."""
+        groups = self.trainer.batch_size // self.workload.group_size
+        return math.ceil(groups / self.replay.reuse) if self.replay.enabled else groups
+
+    @property
+    def warm_up_groups(self) -> int:
+        """Fresh groups the first step takes on top of ``fresh_groups_per_step``: a replay ring
+        fills up to one whole batch before it is drawn from."""
+        groups = self.trainer.batch_size // self.workload.group_size
+        return max(0, groups - self.fresh_groups_per_step) if self.replay.enabled else 0
+
+    @property
     def window(self) -> int:
-        """Samples trained per version: one sync window."""
-        return self.trainer.batch_size * self.trainer.sync_every
+        """Fresh samples the trainer consumes per version: one sync window."""
+        return self.fresh_groups_per_step * self.workload.group_size * self.trainer.sync_every
 
     @property
     def lead(self) -> float:

@@ -1,8 +1,8 @@
 """All wiring in one place: ``connect_components`` builds one mode's system; ``run_mode`` runs it.
 
 One sample's life, file by file: ``rollouter.py`` admits its group and hands it to an
-engine (``engine_sim.py``); the finished group goes through ``staleness_queue.py`` to
-``trainer.py``; every ``sync_every`` steps ``param_sync.py`` pauses rollout, moves the
+engine (``engine_sim.py``); the finished group goes through ``staleness_queue.py`` (and,
+when the scenario enables it, the replay ring of ``replay_stage.py``) to ``trainer.py``; every ``sync_every`` steps ``param_sync.py`` pauses rollout, moves the
 weights and bumps the version; ``ledger.py`` accounts for it at each transition.
 
 Modes:
@@ -26,6 +26,7 @@ from core.engine_sim import SimEngine
 from core.ledger import Ledger
 from core.param_sync import ParamSync, SimWeightTransfer
 from core.placement import Placement, effective_staleness
+from core.replay_stage import ReplayStage, staleness_bound
 from core.rollouter import Rollouter
 from core.staleness_queue import AsyncStalenessQueue
 from core.timeline import Timeline
@@ -50,6 +51,7 @@ class System:
     param_sync: ParamSync
     trainer: Trainer
     train_backend: SimTrainBackend
+    replay: Optional[ReplayStage] = None
     end_s: float = 0.0
     wall_s: float = 0.0
 
@@ -61,11 +63,35 @@ def connect_components(sc: Scenario, mode: str, on_step: Optional[ProgressFn] = 
     n = sc.workload.group_size
     window = sc.window
     workload = Workload(sc.workload, sc.seed)
-    ledger = Ledger(max_staleness)
+    groups_per_step = sc.trainer.batch_size // n
+    rp = sc.replay
+    trained_bound = max_staleness
+    if rp.enabled:
+        trained_bound = staleness_bound(max_staleness, rp.capacity_groups, sc.fresh_groups_per_step, sc.trainer.sync_every)
+    ledger = Ledger(trained_bound, reuse=rp.enabled)
     timeline = Timeline()
+    fresh_per_step = sc.fresh_groups_per_step
+    warm_up = sc.warm_up_groups
     # Admission keeps admitted-but-untrained samples under (max_staleness + 2) windows, so
     # a queue this large never blocks a producer while the trainer waits on a sync drain.
-    queue = AsyncStalenessQueue(capacity=(max_staleness + 2) * window // n + 1, max_staleness=max_staleness)
+    queue = AsyncStalenessQueue(
+        capacity=(max_staleness + 2) * window // n + warm_up + 1, max_staleness=max_staleness
+    )
+    replay = None
+    if rp.enabled:
+        replay = ReplayStage(
+            queue=queue,
+            ledger=ledger,
+            capacity=rp.capacity_groups,
+            groups_per_step=groups_per_step,
+            fresh_per_step=fresh_per_step,
+            warm_up=warm_up,
+            prioritized=rp.prioritized,
+            alpha=rp.alpha,
+            beta=rp.beta,
+            seed=sc.seed,
+            priority=lambda g: workload.reward_spread(g.prompt_id),
+        )
     decode = DecodeCost(sc, place.gpus_per_engine)
     engines = [
         SimEngine(f"engine{i:03d}", decode, workload, sc.rollout.max_num_seqs, timeline)
@@ -83,7 +109,8 @@ def connect_components(sc: Scenario, mode: str, on_step: Optional[ProgressFn] = 
         window=window,
         lead=lead,
         max_staleness=max_staleness,
-        plan_samples=sc.trainer.steps * sc.trainer.batch_size,
+        plan_samples=(sc.trainer.steps * fresh_per_step + warm_up) * n,
+        head_start=warm_up * n,
     )
     param_sync = ParamSync(
         rollouter=rollouter,
@@ -94,18 +121,18 @@ def connect_components(sc: Scenario, mode: str, on_step: Optional[ProgressFn] = 
     )
     backend = SimTrainBackend(TrainCost(sc, place.trainer_gpus, mode in sc.trainer.recompute_logprobs))
     trainer = Trainer(
-        queue=queue,
+        source=queue if replay is None else replay,
         ledger=ledger,
         backend=backend,
         param_sync=param_sync,
-        groups_per_step=sc.trainer.batch_size // n,
+        groups_per_step=groups_per_step,
         sync_every=sc.trainer.sync_every,
         steps=sc.trainer.steps,
         timeline=timeline,
         pull_window=place.colocated,
         on_step=on_step,
     )
-    return System(sc, mode, place, ledger, timeline, queue, engines, rollouter, param_sync, trainer, backend)
+    return System(sc, mode, place, ledger, timeline, queue, engines, rollouter, param_sync, trainer, backend, replay)
 
 
 async def drive(system: System) -> System:
@@ -125,7 +152,9 @@ async def drive(system: System) -> System:
     left = await system.rollouter.stop()
     await rollout  # a rollouter that failed after the trainer finished still fails the run
     queued = system.queue.drain()
-    system.ledger.dropped_groups(left + queued + system.trainer.holding, "run_end")
+    # With replay, what the trainer holds was drawn from the ring, which still counts it.
+    unused = system.replay.drain() if system.replay else system.trainer.holding
+    system.ledger.dropped_groups(left + queued + unused, "run_end")
     system.trainer.holding = []
     for e in system.engines:
         e.close(system.end_s)
@@ -134,9 +163,10 @@ async def drive(system: System) -> System:
 
 def in_flight(system: System) -> int:
     """Samples observed in the components right now (not derived from the ledger)."""
+    unused = system.replay.untrained() if system.replay else system.trainer.holding
     return (
         system.rollouter.in_flight()
-        + sum(g.size for g in system.trainer.holding)
+        + sum(g.size for g in unused)
         + len(system.queue) * system.scenario.workload.group_size
     )
 

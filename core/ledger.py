@@ -17,22 +17,29 @@ class LedgerError(RuntimeError):
 
 
 class Ledger:
-    def __init__(self, max_staleness: int) -> None:
+    """``trained`` counts samples trained at least once; ``trainings`` every time one is
+    trained, which only a replay stage (``reuse``) makes larger. Staleness and token
+    aggregates are per training; lifecycle ones (latency, interrupts) per sample."""
+
+    def __init__(self, max_staleness: int, reuse: bool = False) -> None:
         self.max_staleness = max_staleness
+        self.reuse = reuse
         self.produced = 0
         self.trained = 0
+        self.trainings = 0
         self.dropped: Counter[str] = Counter()
         self._trained_mask = bytearray()
-        # one entry per trained group
+        # one entry per group training
         self.trained_log: list[tuple[int, int, int]] = []  # (prompt_id, generation version, train version)
-        self.e2e_s: list[float] = []
         self.group_sizes: list[int] = []
-        # per trained sample aggregates
+        self.e2e_s: list[float] = []  # one per group, at its first training
+        # per training
         self.staleness_sum = 0
         self.staleness_max = 0
         self.token_staleness_sum = 0
         self.response_tokens = 0
         self.prompt_tokens = 0
+        # per sample
         self.interrupted = 0
         self.interrupts = 0
         self.resumes = 0
@@ -53,9 +60,9 @@ class Ledger:
             hi = lo + g.size
             if hi > len(mask):
                 mask.extend(bytes(max(hi - len(mask), len(mask))))
-            if any(mask[lo:hi]):
+            again = any(mask[lo:hi])
+            if again and not self.reuse:
                 raise LedgerError(f"prompt {g.prompt_id}: a sample is trained twice")
-            mask[lo:hi] = b"\x01" * g.size
             stale = version - g.version
             if stale > self.max_staleness:
                 raise LedgerError(
@@ -65,28 +72,33 @@ class Ledger:
             if g.resumes != g.aborts:
                 raise LedgerError(f"prompt {g.prompt_id}: interrupted {g.aborts} times but resumed {g.resumes} times")
             n = g.size
-            self.trained += n
+            self.trainings += n
             self.staleness_sum += stale * n
             self.staleness_max = max(self.staleness_max, stale)
             self.trained_log.append((g.prompt_id, g.version, version))
-            self.e2e_s.append(now - g.admitted_at)
             self.group_sizes.append(n)
-            self.resumes += g.resumes
             for s in g.samples:
                 if not s.finished:
                     raise LedgerError(f"sample {s.uid}: trained before its generation finished")
-                s.trained_at = now
-                self.max_response = max(self.max_response, s.n_response)
                 self.response_tokens += s.n_response
                 self.prompt_tokens += s.n_prompt
+                for v, k in s.version_spans:
+                    self.token_staleness_sum += (version - v) * k
+            if again:
+                continue
+            mask[lo:hi] = b"\x01" * n
+            self.trained += n
+            self.e2e_s.append(now - g.admitted_at)
+            self.resumes += g.resumes
+            for s in g.samples:
+                s.trained_at = now
+                self.max_response = max(self.max_response, s.n_response)
                 if s.interrupts:
                     self.interrupted += 1
                     self.interrupts += s.interrupts
-                for v, k in s.version_spans:
-                    self.token_staleness_sum += (version - v) * k
 
     def step_done(self, now: float) -> None:
-        self.step_ends.append((now, self.trained))
+        self.step_ends.append((now, self.trainings))
 
     @property
     def dropped_total(self) -> int:

@@ -24,7 +24,8 @@ def collect(system: System, bound: Bound | None = None) -> dict[str, float | int
     end = system.end_s
     ps = system.param_sync
     engines = system.engines
-    trained = led.trained
+    trained = led.trained  # distinct samples
+    trainings = led.trainings  # as many as trained, unless a replay stage reuses samples
     engine_busy = sum(e.busy_s for e in engines)
     trainer_compute = system.train_backend.compute_s
     generated = sum(e.tokens_generated for e in engines)
@@ -32,7 +33,7 @@ def collect(system: System, bound: Bound | None = None) -> dict[str, float | int
     observed = in_flight(system)
     e2e = np.asarray(led.e2e_s) if led.e2e_s else np.zeros(1)
     bound = bound or pipeline_bound(sc, system.mode)
-    thr = trained / end if end > 0 else 0.0
+    thr = trainings / end if end > 0 else 0.0
     gpu_s = place.total_gpus * end
     rollout_gpus = len(engines) * place.gpus_per_engine
     if place.colocated:
@@ -49,6 +50,7 @@ def collect(system: System, bound: Bound | None = None) -> dict[str, float | int
 
     m: dict[str, float | int | str] = {
         "throughput/trained_samples_per_s": thr,
+        "throughput/fresh_samples_per_s": trained / end if end > 0 else 0.0,
         "throughput/trained_tokens_per_s": (led.prompt_tokens + led.response_tokens) / end if end else 0.0,
         "throughput/generated_tokens_per_s": generated / end if end else 0.0,
         "latency/sample_e2e_p50_s": float(np.percentile(e2e, 50)),
@@ -68,14 +70,16 @@ def collect(system: System, bound: Bound | None = None) -> dict[str, float | int
         "gpu_time/train": share["train"],
         "gpu_time/sync": share["sync"],
         "gpu_time/idle": share["idle"],
-        "staleness/mean": led.staleness_sum / trained if trained else 0.0,
+        "staleness/mean": led.staleness_sum / trainings if trainings else 0.0,
         "staleness/token_mean": led.token_staleness_sum / led.response_tokens if led.response_tokens else 0.0,
         "staleness/max": led.staleness_max,
+        "staleness/bound": led.max_staleness,
         "partial/ratio": led.interrupted / trained if trained else 0.0,
         "partial/interrupts": led.interrupts,
         "partial/resumes": led.resumes,
         "samples/produced": led.produced,
         "samples/trained": trained,
+        "samples/trainings": trainings,
         "samples/dropped": dropped,
         "samples/in_flight": observed,
         "samples/lost": led.produced - trained - dropped - observed,
@@ -98,6 +102,9 @@ def collect(system: System, bound: Bound | None = None) -> dict[str, float | int
         m[f"samples/dropped_{reason}"] = n
     for name, n in system.queue.counters().items():
         m[f"queue/{name}_groups"] = n
+    if system.replay is not None:
+        for name, v in system.replay.counters().items():
+            m[f"replay/{name}"] = v
     return m
 
 

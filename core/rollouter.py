@@ -54,6 +54,7 @@ class Rollouter:
         lead: float,
         max_staleness: int,
         plan_samples: int,
+        head_start: int = 0,
     ) -> None:
         self.engines = engines
         self.queue = queue
@@ -66,6 +67,8 @@ class Rollouter:
         self.lead = lead
         self.max_staleness = max_staleness
         self.plan_samples = plan_samples
+        # Samples the trainer takes once, beyond its windows (a replay ring filling up).
+        self.head_start = head_start
         self.version = 0
         self.running = 0  # samples being generated
         self._holding = 0  # samples of the groups being generated, finished members included
@@ -81,7 +84,7 @@ class Rollouter:
     # -- admission ----------------------------------------------------------------------------
     def budget(self) -> int:
         """Samples the staleness budget still admits at the current version."""
-        limit = math.floor((self.version + 1 + self.lead) * self.window + 1e-9)
+        limit = math.floor((self.version + 1 + self.lead) * self.window + 1e-9) + self.head_start
         return min(limit, self.plan_samples) - self.admitted
 
     def _next_group(self) -> Optional[Group]:

@@ -9,12 +9,17 @@ from typing import Callable, Optional, Protocol
 from core.ledger import Ledger
 from core.param_sync import ParamSync
 from core.sample import Group
-from core.staleness_queue import AsyncStalenessQueue
 from core.timeline import TRAIN, Timeline
 
 
 class TrainBackend(Protocol):
     async def train_step(self, groups: list[Group], version: int) -> dict: ...
+
+
+class BatchSource(Protocol):
+    """Where batches come from: the staleness queue, or the replay stage in front of it."""
+
+    async def get_batch(self, n: int) -> list[Group]: ...
 
 
 class SimTrainBackend:
@@ -39,7 +44,7 @@ class SimTrainBackend:
 
 
 class Trainer:
-    """Consumer of the queue.
+    """Consumer of the queue (or of the replay stage in front of it).
 
     ``pull_window`` makes it wait for a whole sync window before its first step of each
     version: the colocated sync baseline, where the same GPUs generate, then train.
@@ -48,7 +53,7 @@ class Trainer:
     def __init__(
         self,
         *,
-        queue: AsyncStalenessQueue,
+        source: BatchSource,
         ledger: Ledger,
         backend: TrainBackend,
         param_sync: ParamSync,
@@ -59,7 +64,7 @@ class Trainer:
         pull_window: bool = False,
         on_step: Optional[Callable[[int, float, int], None]] = None,
     ) -> None:
-        self.queue = queue
+        self.source = source
         self.ledger = ledger
         self.backend = backend
         self.param_sync = param_sync
@@ -81,7 +86,7 @@ class Trainer:
                 steps_left = min(self.sync_every - self.step % self.sync_every, self.steps - self.step)
                 k = self.groups_per_step * (steps_left if self.pull_window else 1)
                 t0 = loop.time()
-                self.holding = await self.queue.get_batch(k)
+                self.holding = await self.source.get_batch(k)
                 self.wait_s += loop.time() - t0
             batch = self.holding[: self.groups_per_step]
             t0 = loop.time()
@@ -94,7 +99,7 @@ class Trainer:
             self.step += 1
             self.ledger.step_done(now)
             if self.on_step is not None:
-                self.on_step(self.step, now, self.ledger.trained)
+                self.on_step(self.step, now, self.ledger.trainings)
             if self.step % self.sync_every == 0 and self.step < self.steps:
                 self.version += 1
                 await self.param_sync.sync(self.version)

@@ -38,6 +38,17 @@ class Workload:
             block = self._blocks[b] = self._block(b)
         return block[row]
 
+    def reward_spread(self, prompt_id: int) -> float:
+        """Modeled std of the group's 0/1 rewards: the GRPO learning signal that a prioritized
+        replay ranks groups by (a group all right or all wrong has zero advantage).
+
+        Each prompt gets a pass rate drawn uniformly from [0, 1] and each response passes
+        with it, from a stream seeded apart from the lengths so that lengths never change.
+        """
+        rng = np.random.default_rng([self.seed, prompt_id, 1])
+        rewards = rng.random(self.spec.group_size) < rng.random()
+        return float(rewards.std())
+
     def sample_lengths(self, n_prompts: int = 8192) -> np.ndarray:
         """Response lengths of the first ``n_prompts`` prompts, one row per group."""
         return np.concatenate([self._block(b) for b in range(-(-n_prompts // _BLOCK))])[:n_prompts]

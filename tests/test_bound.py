@@ -12,6 +12,15 @@ from core.driver import run_mode
 def workloads(draw):
     n = draw(st.sampled_from([4, 8, 16]))
     ms = draw(st.integers(1, 3))
+    groups = draw(st.integers(2, 8))
+    replay = {"enabled": False}
+    if draw(st.integers(0, 3)) == 0:
+        replay = {
+            "enabled": True,
+            "capacity_groups": draw(st.integers(groups, 4 * groups)),
+            "reuse": draw(st.floats(1.0, 4.0)),
+            "prioritized": draw(st.booleans()),
+        }
     return Scenario.model_validate({
         "seed": draw(st.integers(0, 1000)),
         "resources": {"rollout_gpus": draw(st.integers(1, 6)), "trainer_gpus": draw(st.integers(1, 6))},
@@ -21,8 +30,9 @@ def workloads(draw):
             "response_sigma": draw(st.floats(0.2, 1.3)),
             "max_response_len": draw(st.integers(2000, 16000)),
         },
-        "trainer": {"batch_size": n * draw(st.integers(2, 8)), "sync_every": draw(st.integers(1, 4)), "steps": 60},
+        "trainer": {"batch_size": n * groups, "sync_every": draw(st.integers(1, 4)), "steps": 60},
         "staleness": {"max_staleness": ms, "admission_lead": draw(st.floats(0.1, float(ms)))},
+        "replay": replay,
     })
 
 
@@ -30,13 +40,19 @@ def workloads(draw):
 @given(sc=workloads(), mode=st.sampled_from(["sync", "async", "partial"]))
 def test_no_mode_beats_its_bound(sc, mode):
     system = run_mode(sc, mode)
-    assume(system.ledger.dropped_total == 0)  # evictions change the trained set; see core/bound.py
-    measured = system.ledger.trained / system.end_s
+    led = system.ledger
+    # Evictions change the trained set (see core/bound.py); a replay ring always leaves some
+    # groups untrained, which is what it trades for reuse.
+    assume(led.dropped["stale"] + led.dropped["stale_on_arrival"] == 0)
+    assume(sc.replay.enabled or led.dropped_total == 0)
+    measured = led.trainings / system.end_s
     bound = pipeline_bound(sc, mode)
     # The cohort clock thins the batch by the whole length distribution, but a whole group shares
     # one engine, so a short group's own members leave early and it finishes a little sooner than
     # the clock says. On a few engines a run can beat the bound by that (1.0 % seen, not more).
-    assert measured <= bound.trained_samples_per_s * 1.02
+    # With replay the trained set is a random draw from the ring, priced in the bound as the
+    # step's fresh groups; a draw of cheaper groups beats it by a little (3.2 % seen in 180 runs).
+    assert measured <= bound.trained_samples_per_s * (1.05 if sc.replay.enabled else 1.02)
     assert bound.trained_samples_per_s <= bound.resource_samples_per_s * (1 + 1e-9)
 
 
