@@ -1,7 +1,8 @@
 """The Rollouter -> Trainer queue for asyncio: ``ext.squeue`` with blocking put and get.
 
-One consumer waits for "at least k items" (woken once, not on every put); producers
-wait for space. Waits take a timeout and are cancellation-safe.
+One consumer waits for "at least k items": the queue itself watches its length
+(``notify_at``) and wakes it once, so a put costs no Python code here. Producers wait for
+space. Waits take a timeout and are cancellation-safe.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ class AsyncStalenessQueue:
 
     def __init__(self, capacity: int, max_staleness: int, impl: type = StalenessQueue) -> None:
         self._q = impl(capacity, max_staleness)
-        self._put = self._q.put
-        self._getter: Optional[tuple[int, asyncio.Future]] = None
+        # put_nowait(item, version) -> bool: store now; False if already too stale (not
+        # stored); QueueFull at capacity. The queue's own method: a waiting consumer is woken
+        # by the queue's watch, so nothing here runs per item.
+        self.put_nowait = self._q.put
+        self._getter: Optional[asyncio.Future] = None
         self._putters: deque[asyncio.Future] = deque()
 
     def __len__(self) -> int:
@@ -39,17 +43,6 @@ class AsyncStalenessQueue:
 
     def counters(self) -> dict[str, int]:
         return self._q.counters()
-
-    def put_nowait(self, item: Any, version: int) -> bool:
-        """Store now; False if the item was already too stale (not stored).
-
-        Raises ``QueueFull`` at capacity. The consumer is woken only once its batch is complete.
-        """
-        stored = self._put(item, version)
-        g = self._getter
-        if g is not None and len(self._q) >= g[0] and not g[1].done():
-            g[1].set_result(None)
-        return stored
 
     async def put(self, item: Any, version: int, timeout: Optional[float] = None) -> bool:
         """Wait for space, then store; False if the item was already too stale (not stored)."""
@@ -74,11 +67,13 @@ class AsyncStalenessQueue:
             raise RuntimeError("AsyncStalenessQueue has one consumer; a second get_batch is already waiting")
         while len(self._q) < n:
             fut = asyncio.get_running_loop().create_future()
-            self._getter = (n, fut)
+            self._getter = fut
+            self._q.notify_at(n, lambda: fut.done() or fut.set_result(None))
             try:
                 await asyncio.wait_for(fut, timeout)
             finally:
                 self._getter = None
+                self._q.notify_at(n, None)
         items = self._q.get_batch(n)
         self._wake_putters()
         return items

@@ -46,3 +46,8 @@ cdef class StalenessQueue:
     cdef long long _n_rejected_full
     # Set while a method runs with the GIL released; other threads wait for it to clear.
     cdef int _busy
+    # notify_at: call _watch_cb() once the queue holds _watch_k items (None: no watch).
+    cdef Py_ssize_t _watch_k
+    cdef object _watch_cb
+
+    cdef int _fire(self) except -1

@@ -4,7 +4,7 @@ Same API and behaviour as the pure-Python reference ``ext._squeue_ref``; version
 int64 (``set_version`` refuses a version above 2**63 - 1 with ValueError).
 """
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from ext.errors import QueueFull as QueueFull
 
@@ -28,6 +28,12 @@ class StalenessQueue:
         """
     def put_many(self, items: Iterable[Any], versions: Iterable[int]) -> int:
         """Store all items or none; returns how many were stored (stale ones are not)."""
+    def notify_at(self, k: int, callback: Callable[[], object] | None) -> None:
+        """Call ``callback()`` once the queue holds at least ``k`` items (now, if it does).
+
+        One watch at a time: a new one replaces the last; ``callback=None`` cancels. It fires
+        from the ``put``/``put_many`` that reaches ``k``, after the items are stored; not pickled.
+        """
     def get_batch(self, n: int) -> list[Any]:
         """Pop up to ``n`` items, oldest first."""
     def set_version(self, version: int) -> list[Any]:

@@ -376,6 +376,8 @@ cdef class StalenessQueue:
         self._n_evicted = 0
         self._n_stale_on_put = 0
         self._n_rejected_full = 0
+        self._watch_k = 0
+        self._watch_cb = None
 
     def __dealloc__(self):
         PyMem_Free(self._ring.vers)
@@ -421,7 +423,36 @@ cdef class StalenessQueue:
         _vt_add(r, v)
         r.size += 1
         self._n_put += 1
+        if self._watch_cb is not None and r.size >= self._watch_k:
+            self._fire()
         return True
+
+    cdef int _fire(self) except -1:
+        cb = self._watch_cb
+        self._watch_cb = None  # cleared first: the callback may set a new watch
+        cb()
+        return 0
+
+    def notify_at(self, k, callback):
+        """Call ``callback()`` once the queue holds at least ``k`` items (now, if it does).
+
+        One watch at a time: a new one replaces the last; ``callback=None`` cancels. The watch
+        fires from the ``put``/``put_many`` that reaches ``k``, after the items are stored, and
+        is not pickled.
+        """
+        cdef bint too_big
+        cdef int64_t want = _check_int("k", k, 1, &too_big)
+        if callback is not None and not callable(callback):
+            raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
+        _wait_idle(self)
+        self._watch_cb = None
+        if callback is None:
+            return
+        if not too_big and want <= self._ring.size:
+            callback()
+            return
+        self._watch_k = PY_SSIZE_T_MAX if too_big or want > PY_SSIZE_T_MAX else <Py_ssize_t>want
+        self._watch_cb = callback
 
     def put_many(self, items, versions):
         """Store all items or none; returns how many were stored (stale ones are not)."""
@@ -475,6 +506,8 @@ cdef class StalenessQueue:
         r.size = t
         self._n_put += t - start
         self._n_stale_on_put += n - (t - start)
+        if self._watch_cb is not None and r.size >= self._watch_k:
+            self._fire()
         return t - start
 
     def get_batch(self, n):

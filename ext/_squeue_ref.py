@@ -38,6 +38,7 @@ class StalenessQueue:
         self._evicted = 0
         self._stale_on_put = 0
         self._rejected_full = 0
+        self._watch: tuple[int, Any] | None = None
 
     @property
     def capacity(self) -> int:
@@ -69,6 +70,35 @@ class StalenessQueue:
         self._put += 1
         return True
 
+    def _fire_watch(self) -> None:
+        if self._watch is not None and len(self._items) >= self._watch[0]:
+            cb = self._watch[1]
+            self._watch = None  # cleared first: the callback may set a new watch
+            cb()
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_watch"] = None  # a callback belongs to this process
+        return state
+
+    def notify_at(self, k: int, callback) -> None:
+        """Call ``callback()`` once the queue holds at least ``k`` items (now, if it does).
+
+        One watch at a time: a new one replaces the last; ``callback=None`` cancels. The watch
+        fires from the ``put``/``put_many`` that reaches ``k``, after the items are stored, and
+        is not pickled.
+        """
+        k = _check_int("k", k, 1)
+        if callback is not None and not callable(callback):
+            raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
+        self._watch = None
+        if callback is None:
+            return
+        if k <= len(self._items):
+            callback()
+            return
+        self._watch = (k, callback)
+
     def put(self, item: Any, version: int) -> bool:
         """Store ``item``; False if it is already staler than the budget (counted, not stored).
 
@@ -78,7 +108,9 @@ class StalenessQueue:
         if len(self._items) >= self._capacity:
             self._rejected_full += 1
             raise QueueFull(f"queue is full ({self._capacity} items)")
-        return self._store(item, v)
+        stored = self._store(item, v)
+        self._fire_watch()
+        return stored
 
     def put_many(self, items: Iterable[Any], versions: Iterable[int]) -> int:
         """Store all items or none; returns how many were stored (stale ones are not)."""
@@ -89,7 +121,9 @@ class StalenessQueue:
         if len(self._items) + len(items) > self._capacity:
             self._rejected_full += 1
             raise QueueFull(f"{len(items)} items do not fit: {len(self._items)}/{self._capacity} used")
-        return sum(self._store(item, v) for item, v in zip(items, versions))
+        stored = sum(self._store(item, v) for item, v in zip(items, versions))
+        self._fire_watch()
+        return stored
 
     def get_batch(self, n: int) -> list:
         """Pop up to ``n`` items, oldest first."""

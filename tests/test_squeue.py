@@ -84,6 +84,20 @@ class Pair:
         self.ext = module.StalenessQueue(capacity, max_staleness)
         self.ref = _squeue_ref.StalenessQueue(capacity, max_staleness)
         self.identical = True  # items are the very same objects (until a pickle round trip)
+        self.fired: dict[str, list] = {"ext": [], "ref": []}  # what each queue's watches saw
+
+    def watch(self, k, tag) -> None:
+        """``notify_at(k, ...)`` on both; each callback logs the tag and its queue's length."""
+        def callback_for(side):
+            if tag is None:
+                return None
+            q = getattr(self, side)
+            return lambda: self.fired[side].append((tag, len(q)))
+
+        got = _outcome(self.ext.notify_at, k, callback_for("ext"))
+        want = _outcome(self.ref.notify_at, k, callback_for("ref"))
+        assert got == want, f"notify_at({k!r}): compiled {got!r}, reference {want!r}"
+        self.check()
 
     def do(self, name: str, *args):
         return self.do_fresh(name, lambda: args)
@@ -105,9 +119,10 @@ class Pair:
         assert self.ext.capacity == self.ref.capacity
         assert self.ext.max_staleness == self.ref.max_staleness
         assert self.ext.counters() == self.ref.counters()
+        assert self.fired["ext"] == self.fired["ref"]
 
     def roundtrip(self) -> None:
-        self.ext = pickle.loads(pickle.dumps(self.ext))
+        self.ext = pickle.loads(pickle.dumps(self.ext))  # watches are not pickled
         self.ref = pickle.loads(pickle.dumps(self.ref))
         self.identical = False
         self.check()
@@ -147,10 +162,14 @@ def _random_op(rng: random.Random, pair: Pair, serial: list[int]):
     if r < 0.78:
         n = rng.choice([0, 1, 1, 2, 3, 5, 8, 64, 10**30]) if rng.random() < 0.95 else rng.choice(BAD_INTS)
         return ("get_batch", n)
-    if r < 0.99:
+    if r < 0.94:
         step = rng.choice([0, 1, 1, 1, 2, ms, ms + 1, ms + 5, 1000])  # with occasional jumps
         v = version + step if rng.random() < 0.95 else rng.choice([version - 1, *BAD_INTS])
         return ("set_version", v)
+    if r < 0.99:
+        k = len(pair.ref) + rng.choice([-1, 0, 1, 1, 2, 5, 10**30]) if rng.random() < 0.95 else rng.choice(BAD_INTS)
+        serial[0] += 1
+        return ("watch", k, None if rng.random() < 0.1 else serial[0])
     return ("roundtrip",)
 
 
@@ -165,9 +184,12 @@ def test_random_sequences_match_reference(compiled, seed):
         op = _random_op(rng, pair, serial)
         if op[0] == "roundtrip":
             pair.roundtrip()
+        elif op[0] == "watch":
+            pair.watch(*op[1:])
         else:
             pair.do(*op)
     pair.drain()
+    assert pair.fired["ref"], "no watch ever fired"
 
 
 def test_sequences_hit_every_path(compiled):
@@ -179,7 +201,9 @@ def test_sequences_hit_every_path(compiled):
         serial = [0]
         for _ in range(300):
             op = _random_op(rng, pair, serial)
-            if op[0] != "roundtrip":
+            if op[0] == "watch":
+                pair.watch(*op[1:])
+            elif op[0] != "roundtrip":
                 pair.do(*op)
         for key, value in pair.ext.counters().items():
             totals[key] += value
