@@ -3,6 +3,7 @@
 #   make test     the whole suite on the compiled extensions, again on the pure-Python
 #                 references (ASYNCRL_PUREPYTHON=1), then the micro-benchmarks
 #   make run      the quickstart scenario
+#   make bench    the micro-benchmarks alone, then the hot paths' targets as measured ratios
 #   make build    rebuild the extensions in place (ASYNCRL_DEBUG_CYTHON=1 for a debug build)
 #   make clean    remove build outputs (keeps .venv)
 
@@ -13,7 +14,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.asyncrl-installed
 EXT_SOURCES := $(wildcard ext/*.pyx ext/*.pxd)
 
-.PHONY: setup venv build run test clean
+.PHONY: setup venv build run test bench clean
 
 setup venv: $(STAMP)
 
@@ -35,7 +36,12 @@ run: $(STAMP)
 test: $(STAMP)
 	ASYNCRL_PUREPYTHON=0 $(PY) -m pytest tests
 	ASYNCRL_PUREPYTHON=1 $(PY) -m pytest tests
-	$(PY) -m pytest bench --benchmark-only
+	$(MAKE) --no-print-directory bench
+
+bench: $(STAMP)
+	mkdir -p .benchmarks
+	$(PY) -m pytest bench --benchmark-only --benchmark-json=.benchmarks/last.json
+	$(PY) bench/targets.py .benchmarks/last.json
 
 clean:
 	rm -rf build *.egg-info .pytest_cache .benchmarks .hypothesis

@@ -1,0 +1,98 @@
+"""The hot paths' performance targets, as ratios from one benchmark run.
+
+    python bench/targets.py               # runs `pytest bench --benchmark-only` first
+    python bench/targets.py RUN.json      # a run saved with --benchmark-json
+
+Every ratio compares two implementations measured side by side in the same run, on the same
+data, by their minimum time (the least disturbed by other work on a shared machine). The
+table says which targets a run met; it never fails a build, since speed is not behaviour.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Target:
+    op: str
+    group: str
+    impl: str  # ours
+    baseline: str
+    # "speedup": baseline time / ours >= goal; "time": ours / baseline <= goal;
+    # "bandwidth": baseline time / ours >= goal, i.e. our share of the baseline's bandwidth
+    kind: str
+    goal: float
+
+
+TARGETS = [
+    Target("replay add, batch 256", "add 256", "ext", "numpy", "speedup", 1.0),
+    Target("replay add, batch 256", "add 256", "ext", "cpprb", "speedup", 2.5),
+    Target("replay add, batch 1", "add 1", "ext", "numpy", "speedup", 5.0),
+    Target("uniform sample 256", "sample 256 uniform", "ext", "numpy", "time", 0.6),
+    Target("prioritized sample 256", "sample 256 prioritized", "ext", "cpprb", "time", 0.2),
+    Target("priority update 256, slots from sample()", "update priorities 256 (sampled slots)", "ext", "cpprb", "time", 0.3),
+    Target("priority update 256, random slots", "update priorities 256 (random slots)", "ext", "cpprb", "time", 0.3),
+    Target("codec round trip, 2048 tokens", "round trip, 2048 tokens", "2048-ext", "2048-memcpy", "time", 2.0),
+    Target("codec round trip, 2048 tokens", "round trip, 2048 tokens", "2048-ext", "2048-pickle5", "speedup", 15.0),
+    Target("codec round trip, 32768 tokens", "round trip, 32768 tokens", "32768-ext", "32768-memcpy", "bandwidth", 0.5),
+    Target("queue put + get (256 puts, get_batch)", "put256+get256", "ext", "asyncio.Queue", "speedup", 3.5),
+    Target("queue put + get, asyncio tasks", "async put+get 4096 by 256", "ext", "asyncio.Queue", "speedup", 3.5),
+]
+
+
+def _times(run: dict) -> dict[tuple[str, str], float]:
+    return {(b["group"], b["param"]): b["stats"]["min"] for b in run["benchmarks"]}
+
+
+def rows(run: dict) -> list[tuple[str, str, str, str, str]]:
+    """(op, ours, baseline, measured ratio, goal and whether it was met) per target."""
+    times = _times(run)
+    out = []
+    for t in TARGETS:
+        ours, base = times.get((t.group, t.impl)), times.get((t.group, t.baseline))
+        if ours is None or base is None:
+            out.append((t.op, "-", "-", "not measured", ""))
+            continue
+        if t.kind == "time":
+            ratio, met, text, goal = ours / base, ours / base <= t.goal, f"{ours / base:.2f}x the time", f"<= {t.goal}x"
+        elif t.kind == "bandwidth":
+            ratio = base / ours
+            met, text, goal = ratio >= t.goal, f"{ratio:.0%} of its bandwidth", f">= {t.goal:.0%}"
+        else:
+            ratio = base / ours
+            met, text, goal = ratio >= t.goal, f"{ratio:.1f}x faster", f">= {t.goal}x"
+        out.append((t.op, f"{ours * 1e6:.2f} µs", f"{t.baseline.split('-')[-1]} {base * 1e6:.2f} µs", text,
+                    f"{goal} {'met' if met else 'MISSED'}"))
+    return out
+
+
+def markdown(run: dict) -> str:
+    lines = ["| op | asyncrl (ext) | baseline | measured | target |", "|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows(run)]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if argv:
+        run = json.loads(Path(argv[0]).read_text())
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "run.json"
+            cmd = [sys.executable, "-m", "pytest", "bench", "--benchmark-only", "-q", f"--benchmark-json={path}"]
+            if subprocess.call(cmd) != 0:
+                return 1
+            run = json.loads(path.read_text())
+    machine = run.get("machine_info", {})
+    print(f"{machine.get('cpu', {}).get('brand_raw', 'unknown CPU')}, {run.get('datetime', '')}")
+    print(markdown(run))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
