@@ -24,19 +24,4 @@ MAX_NAME_BYTES = _impl.MAX_NAME_BYTES
 MAX_NDIM = _impl.MAX_NDIM
 BACKEND = name_of(_impl)
 
-__all__ = [
-    "ALIGNMENT",
-    "BACKEND",
-    "FORMAT_VERSION",
-    "HEADER_SIZE",
-    "MAGIC",
-    "MAX_NAME_BYTES",
-    "MAX_NDIM",
-    "CodecError",
-    "Sample",
-    "checksum",
-    "decode",
-    "encode",
-    "encode_into",
-    "encoded_size",
-]
+__all__ = [*_impl.__all__, "BACKEND"]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import enum
 import gc
 import importlib
-import logging
 import os
 import pickle
 import random
@@ -31,7 +30,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from ext import _squeue_ref, backend
 from ext.errors import QueueFull
-from ext.squeue import BACKEND, StalenessQueue
+from ext.squeue import StalenessQueue
 
 PURE = os.environ.get(backend.ENV_VAR, "").strip() == "1"
 INT64_MAX = 2**63 - 1
@@ -431,14 +430,6 @@ def test_finalizers_may_call_the_queue_while_it_drops_items(compiled):
 # behaviour of the selected backend
 
 
-def test_backend_is_the_one_asked_for():
-    mode = backend.requested()
-    if mode == "pure":
-        assert BACKEND == "ref"
-    elif mode == "compiled":
-        assert BACKEND == "ext"
-
-
 def test_fifo_order():
     q = StalenessQueue(10, 2)
     for i in range(6):
@@ -695,50 +686,3 @@ def test_refcounts_are_balanced():
     q.get_batch(100)
     assert sys.getrefcount(obj) == base
     assert sys.getrefcount(None) > 0
-
-
-# ---------------------------------------------------------------------------------------------
-# the ASYNCRL_PUREPYTHON switch
-
-
-def test_pure_python_selects_the_reference(monkeypatch):
-    monkeypatch.setenv(backend.ENV_VAR, "1")
-    module = backend.load("squeue")
-    assert module is _squeue_ref
-    assert backend.name_of(module) == "ref"
-
-
-def test_compiled_selects_the_extension(monkeypatch, compiled):
-    monkeypatch.setenv(backend.ENV_VAR, "0")
-    module = backend.load("squeue")
-    assert module is compiled
-    assert backend.name_of(module) == "ext"
-
-
-def test_compiled_but_unimportable_raises(monkeypatch):
-    monkeypatch.setenv(backend.ENV_VAR, "0")
-    monkeypatch.setitem(sys.modules, "ext._squeue", None)  # makes the import fail
-    with pytest.raises(RuntimeError, match=r"ext\._squeue"):
-        backend.load("squeue")
-
-
-def test_compiled_but_missing_raises(monkeypatch):
-    monkeypatch.setenv(backend.ENV_VAR, "0")
-    with pytest.raises(RuntimeError, match=r"ext\._no_such_hot_path"):
-        backend.load("no_such_hot_path")
-
-
-def test_auto_falls_back_to_the_reference_with_a_warning(monkeypatch, caplog):
-    monkeypatch.delenv(backend.ENV_VAR, raising=False)
-    monkeypatch.setitem(sys.modules, "ext._squeue", None)
-    monkeypatch.setattr(backend, "_warned", False)
-    with caplog.at_level(logging.WARNING, logger=backend.__name__):
-        assert backend.load("squeue") is _squeue_ref
-    assert "pure-Python" in caplog.text
-
-
-@pytest.mark.parametrize("value", ["yes", "true", "2", "pure"])
-def test_garbage_switch_value_raises(monkeypatch, value):
-    monkeypatch.setenv(backend.ENV_VAR, value)
-    with pytest.raises(RuntimeError, match=backend.ENV_VAR):
-        backend.load("squeue")
