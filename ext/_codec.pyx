@@ -15,9 +15,9 @@ Where the time goes, and what is done about it:
   through the str objects' cached UTF-8, with no Python containers built.
 * Large samples are dominated by memory passes: ``encode`` copies every C-contiguous array
   and accumulates the checksum in the same pass (one read, one write per byte); ``decode``
-  verifies the checksum in one read pass. The block kernels use SSE2 (every x86-64) or AVX2
-  when the CPU has it (picked at import), a portable C loop elsewhere; all compute the same
-  function. Arrays that are not C-contiguous in native byte order are first copied into place
+  verifies the checksum in one read pass. The block kernels use SSE2 (every x86-64), AVX2
+  or AVX-512F when the CPU has them (the widest is picked at import), a portable C loop
+  elsewhere; all compute the same function. Arrays that are not C-contiguous in native byte order are first copied into place
   by numpy, then only summed.
 * Long passes release the GIL (``_NOGIL_MIN`` bytes or more); releasing it around a short
   pass costs more than the pass.
@@ -172,46 +172,68 @@ cdef extern from *:
     #endif
 
     #if CODEC_HAVE_AVX2
+    /* Four blocks x1..x4 per step, the same function as four single steps:
+       a += x1 + x2 + x3 + x4 and b += 4a + 4x1 + 3x2 + 2x3 + x4, written with the prefix sums
+       c_k = x1 + .. + xk as b += 4a + (c1 + c2 + c3 + c4), a += c4. The a -> b chain is then
+       two adds per four blocks instead of per block, which is what limits a read pass. */
+    #define CODEC_STEP4(T, add, shl, a, b, x1, x2, x3, x4) do { \
+        T c2 = add(x1, x2), c3 = add(c2, x3), c4 = add(c3, x4); \
+        b = add(b, add(shl(a, 2), add(add(x1, c2), add(c3, c4)))); \
+        a = add(a, c4); \
+    } while (0)
+
     __attribute__((target("avx2")))
     static void codec_blocks_avx2(codec_lanes* s, uint8_t* dst, const uint8_t* src, size_t n) {
+        /* lanes 0-3 (bytes 0-31 of a block) in a0/b0, lanes 4-7 in a1/b1 */
         __m256i a0 = _mm256_loadu_si256((const __m256i*)s->a), a1 = _mm256_loadu_si256((const __m256i*)(s->a + 4));
         __m256i b0 = _mm256_loadu_si256((const __m256i*)s->b), b1 = _mm256_loadu_si256((const __m256i*)(s->b + 4));
-        __m256i w0, w1;
-        size_t i;
-        if (dst) {
-            for (i = 0; i < n; i++, src += 64, dst += 64) {
-                w0 = _mm256_loadu_si256((const __m256i*)src); w1 = _mm256_loadu_si256((const __m256i*)(src + 32));
-                _mm256_storeu_si256((__m256i*)dst, w0); _mm256_storeu_si256((__m256i*)(dst + 32), w1);
-                a0 = _mm256_add_epi64(a0, w0); a1 = _mm256_add_epi64(a1, w1);
-                b0 = _mm256_add_epi64(b0, a0); b1 = _mm256_add_epi64(b1, a1);
+        __m256i x[8];
+        size_t i = 0;
+        int k;
+        for (; i + 4 <= n; i += 4, src += 256) {
+            for (k = 0; k < 8; k++) x[k] = _mm256_loadu_si256((const __m256i*)(src + 32 * k));
+            if (dst) {
+                for (k = 0; k < 8; k++) _mm256_storeu_si256((__m256i*)(dst + 32 * k), x[k]);
+                dst += 256;
             }
-        } else {
-            for (i = 0; i < n; i++, src += 64) {
-                w0 = _mm256_loadu_si256((const __m256i*)src); w1 = _mm256_loadu_si256((const __m256i*)(src + 32));
-                a0 = _mm256_add_epi64(a0, w0); a1 = _mm256_add_epi64(a1, w1);
-                b0 = _mm256_add_epi64(b0, a0); b1 = _mm256_add_epi64(b1, a1);
+            CODEC_STEP4(__m256i, _mm256_add_epi64, _mm256_slli_epi64, a0, b0, x[0], x[2], x[4], x[6]);
+            CODEC_STEP4(__m256i, _mm256_add_epi64, _mm256_slli_epi64, a1, b1, x[1], x[3], x[5], x[7]);
+        }
+        for (; i < n; i++, src += 64) {
+            x[0] = _mm256_loadu_si256((const __m256i*)src); x[1] = _mm256_loadu_si256((const __m256i*)(src + 32));
+            if (dst) {
+                _mm256_storeu_si256((__m256i*)dst, x[0]); _mm256_storeu_si256((__m256i*)(dst + 32), x[1]);
+                dst += 64;
             }
+            a0 = _mm256_add_epi64(a0, x[0]); a1 = _mm256_add_epi64(a1, x[1]);
+            b0 = _mm256_add_epi64(b0, a0); b1 = _mm256_add_epi64(b1, a1);
         }
         _mm256_storeu_si256((__m256i*)s->a, a0); _mm256_storeu_si256((__m256i*)(s->a + 4), a1);
         _mm256_storeu_si256((__m256i*)s->b, b0); _mm256_storeu_si256((__m256i*)(s->b + 4), b1);
     }
     __attribute__((target("avx512f")))
     static void codec_blocks_avx512(codec_lanes* s, uint8_t* dst, const uint8_t* src, size_t n) {
-        __m512i a = _mm512_loadu_si512((const void*)s->a), b = _mm512_loadu_si512((const void*)s->b), w;
-        size_t i;
-        if (dst) {
-            for (i = 0; i < n; i++, src += 64, dst += 64) {
-                w = _mm512_loadu_si512((const void*)src);
-                _mm512_storeu_si512((void*)dst, w);
-                a = _mm512_add_epi64(a, w);
-                b = _mm512_add_epi64(b, a);
+        __m512i a = _mm512_loadu_si512((const void*)s->a), b = _mm512_loadu_si512((const void*)s->b);
+        __m512i x1, x2, x3, x4;
+        size_t i = 0;
+        for (; i + 4 <= n; i += 4, src += 256) {
+            x1 = _mm512_loadu_si512((const void*)src); x2 = _mm512_loadu_si512((const void*)(src + 64));
+            x3 = _mm512_loadu_si512((const void*)(src + 128)); x4 = _mm512_loadu_si512((const void*)(src + 192));
+            if (dst) {
+                _mm512_storeu_si512((void*)dst, x1); _mm512_storeu_si512((void*)(dst + 64), x2);
+                _mm512_storeu_si512((void*)(dst + 128), x3); _mm512_storeu_si512((void*)(dst + 192), x4);
+                dst += 256;
             }
-        } else {
-            for (i = 0; i < n; i++, src += 64) {
-                w = _mm512_loadu_si512((const void*)src);
-                a = _mm512_add_epi64(a, w);
-                b = _mm512_add_epi64(b, a);
+            CODEC_STEP4(__m512i, _mm512_add_epi64, _mm512_slli_epi64, a, b, x1, x2, x3, x4);
+        }
+        for (; i < n; i++, src += 64) {
+            x1 = _mm512_loadu_si512((const void*)src);
+            if (dst) {
+                _mm512_storeu_si512((void*)dst, x1);
+                dst += 64;
             }
+            a = _mm512_add_epi64(a, x1);
+            b = _mm512_add_epi64(b, a);
         }
         _mm512_storeu_si512((void*)s->a, a);
         _mm512_storeu_si512((void*)s->b, b);

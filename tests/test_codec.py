@@ -209,7 +209,7 @@ def test_every_kernel_computes_the_same_checksum(compiled):
     try:
         for kernel in compiled._kernels():
             compiled._use_kernel(kernel)
-            for blocks in (1, 2, 3, 17, 70):
+            for blocks in (1, 2, 3, 4, 7, 8, 17, 70):  # the 4-block steps and every remainder
                 for shift in (0, 1, 8, 63):  # unaligned starts
                     data = buf[shift : shift + 64 * blocks]
                     assert compiled.checksum(data) == _codec_ref.checksum(data), (kernel, blocks, shift)
