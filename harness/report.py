@@ -14,12 +14,13 @@ from core.bound import pipeline_bound
 from core.config import Scenario
 from core.driver import System
 from core.metrics import collect, series
-from ext import squeue
+from ext import codec, replay, squeue
 
 SCHEMA = "asyncrl.report/1"
 SUMMARY_SCHEMA = "asyncrl.summary/1"
 SUMMARY_KEYS = (
     "throughput/trained_samples_per_s",
+    "throughput/fresh_samples_per_s",
     "throughput/trained_tokens_per_s",
     "latency/sample_e2e_p99_s",
     "sync/pause_mean_s",
@@ -32,6 +33,7 @@ SUMMARY_KEYS = (
     "util/trainer_busy",
     "staleness/mean",
     "staleness/max",
+    "staleness/bound",
     "partial/ratio",
     "samples/lost",
     "bound/trained_samples_per_s",
@@ -72,7 +74,7 @@ def environment() -> dict:
             "cpus": os.cpu_count(),
         },
         "packages": _packages(),
-        "backend": {"squeue": squeue.BACKEND},
+        "backend": {"squeue": squeue.BACKEND, "replay": replay.BACKEND, "codec": codec.BACKEND},
         "git": _git(),
     }
 

@@ -43,6 +43,8 @@ def test_run_writes_reports_summary_and_plots(tmp_path, capsys):
         assert rep["scenario"]["trainer"]["steps"] == 12
         for key in ("machine", "packages", "git"):
             assert key in rep
+        expected = "ref" if os.environ.get("ASYNCRL_PUREPYTHON") == "1" else "ext"
+        assert rep["backend"] == dict.fromkeys(("squeue", "replay", "codec"), expected)
         missing = [k for k in REQUIRED if k not in rep["metrics"]]
         assert not missing
         assert rep["metrics"]["util/gpu_source"] == "modeled"
