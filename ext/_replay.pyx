@@ -259,12 +259,22 @@ cdef void _gather(char* out, const char* data, Py_ssize_t rb, const int64_t* idx
             memcpy(out + rb * j, data + rb * idx[j], rb)
 
 
+cdef inline void _recompute(double* s, double* m, Py_ssize_t lo, Py_ssize_t hi) noexcept nogil:
+    """Recompute nodes [lo, hi) of both trees from their children."""
+    cdef Py_ssize_t i
+    cdef double l, r
+    for i in range(lo, hi):
+        s[i] = s[2 * i] + s[2 * i + 1]
+        l = m[2 * i]
+        r = m[2 * i + 1]
+        m[i] = l if l < r else r
+
+
 cdef void _tree_fill(double* s, double* m, Py_ssize_t leaves, Py_ssize_t lo1, Py_ssize_t hi1,
                      Py_ssize_t lo2, Py_ssize_t hi2, double q) noexcept nogil:
     """Set leaves [lo1, hi1) and [lo2, hi2) (either may be empty) to ``q``, then recompute
     their ancestors level by level."""
     cdef Py_ssize_t i, a1 = lo1 + leaves, b1 = hi1 + leaves, a2 = lo2 + leaves, b2 = hi2 + leaves
-    cdef double l, r
     for i in range(a1, b1):
         s[i] = q
         m[i] = q
@@ -276,19 +286,11 @@ cdef void _tree_fill(double* s, double* m, Py_ssize_t leaves, Py_ssize_t lo1, Py
         if b1 > a1:
             a1 >>= 1
             b1 = ((b1 - 1) >> 1) + 1
-            for i in range(a1, b1):
-                s[i] = s[2 * i] + s[2 * i + 1]
-                l = m[2 * i]
-                r = m[2 * i + 1]
-                m[i] = l if l < r else r
+            _recompute(s, m, a1, b1)
         if b2 > a2:
             a2 >>= 1
             b2 = ((b2 - 1) >> 1) + 1
-            for i in range(a2, b2):
-                s[i] = s[2 * i] + s[2 * i + 1]
-                l = m[2 * i]
-                r = m[2 * i + 1]
-                m[i] = l if l < r else r
+            _recompute(s, m, a2, b2)
         leaves >>= 1
 
 
