@@ -161,7 +161,7 @@ def _budget_paced_run(sc: Scenario, lengths: np.ndarray, reach: np.ndarray, deco
     p = sc.workload.prompt_tokens
     prefill = decode.prefill_s(0, p)
     per_step = sc.fresh_groups_per_step
-    trained_groups = sc.trainer.batch_size // n
+    trained_groups = sc.groups_per_step
     warm_up = sc.warm_up_groups
     ring = deque(maxlen=sc.replay.capacity_groups) if sc.replay.enabled else None  # groups the replay ring holds
     window_groups = sc.window / n

@@ -249,17 +249,21 @@ class Scenario(_Frozen):
         return self
 
     @property
+    def groups_per_step(self) -> int:
+        """Groups each trainer step trains."""
+        return self.trainer.batch_size // self.workload.group_size
+
+    @property
     def fresh_groups_per_step(self) -> int:
         """Groups each trainer step takes from the queue: all of its batch, or 1/reuse of it with replay."""
-        groups = self.trainer.batch_size // self.workload.group_size
+        groups = self.groups_per_step
         return math.ceil(groups / self.replay.reuse) if self.replay.enabled else groups
 
     @property
     def warm_up_groups(self) -> int:
         """Fresh groups the first step takes on top of ``fresh_groups_per_step``: a replay ring
         fills up to one whole batch before it is drawn from."""
-        groups = self.trainer.batch_size // self.workload.group_size
-        return max(0, groups - self.fresh_groups_per_step) if self.replay.enabled else 0
+        return self.groups_per_step - self.fresh_groups_per_step
 
     @property
     def window(self) -> int:

@@ -2,8 +2,9 @@
 
 One sample's life, file by file: ``rollouter.py`` admits its group and hands it to an
 engine (``engine_sim.py``); the finished group goes through ``staleness_queue.py`` (and,
-when the scenario enables it, the replay ring of ``replay_stage.py``) to ``trainer.py``; every ``sync_every`` steps ``param_sync.py`` pauses rollout, moves the
-weights and bumps the version; ``ledger.py`` accounts for it at each transition.
+when the scenario enables it, the replay ring of ``replay_stage.py``) to ``trainer.py``;
+every ``sync_every`` steps ``param_sync.py`` pauses rollout, moves the weights and bumps
+the version; ``ledger.py`` accounts for it at each transition.
 
 Modes:
 - ``sync``: colocated baseline. Every GPU generates one sync window, then every GPU trains
@@ -63,15 +64,13 @@ def connect_components(sc: Scenario, mode: str, on_step: Optional[ProgressFn] = 
     n = sc.workload.group_size
     window = sc.window
     workload = Workload(sc.workload, sc.seed)
-    groups_per_step = sc.trainer.batch_size // n
+    groups_per_step, fresh_per_step, warm_up = sc.groups_per_step, sc.fresh_groups_per_step, sc.warm_up_groups
     rp = sc.replay
     trained_bound = max_staleness
     if rp.enabled:
-        trained_bound = staleness_bound(max_staleness, rp.capacity_groups, sc.fresh_groups_per_step, sc.trainer.sync_every)
+        trained_bound = staleness_bound(max_staleness, rp.capacity_groups, fresh_per_step, sc.trainer.sync_every)
     ledger = Ledger(trained_bound, reuse=rp.enabled)
     timeline = Timeline()
-    fresh_per_step = sc.fresh_groups_per_step
-    warm_up = sc.warm_up_groups
     # Admission keeps admitted-but-untrained samples under (max_staleness + 2) windows, so
     # a queue this large never blocks a producer while the trainer waits on a sync drain.
     queue = AsyncStalenessQueue(

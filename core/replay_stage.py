@@ -7,8 +7,8 @@ gives a new group the running maximum priority, so it is likely seen soon; once 
 priority becomes the group's learning signal (``priority(group)``, the spread of its
 rewards: a group all right or all wrong has no GRPO advantage).
 
-The ring holds the groups' version and prompt columns; the Group objects sit in a list
-beside it, at the same slot. A group overwritten before it was ever trained is dropped
+The ring holds the groups' prompt and version columns; the Group objects sit in a list
+beside it, at the same slot, and every draw checks that the two agree. A group overwritten before it was ever trained is dropped
 (``replay_overwritten``); reuse is counted by the Ledger (``trainings`` vs ``trained``).
 
 A group lives in the ring until ``capacity`` newer ones arrive, i.e. for at most
@@ -140,6 +140,10 @@ class ReplayStage:
     def _draw(self) -> list[Group]:
         batch, slots, weights = self.buffer.sample(self.groups_per_step, self.beta)
         groups = [self._groups[i] for i in slots.tolist()]
+        # The ring's columns and the group list are two records of one slot: if they ever
+        # disagree, the wrong groups would be trained without a trace.
+        if batch["prompt_id"].tolist() != [g.prompt_id for g in groups]:
+            raise RuntimeError(f"replay ring slots {slots.tolist()} hold other groups than its columns say")
         for g in groups:
             self._pending[id(g)] = g
         if self.buffer.prioritized:
