@@ -8,8 +8,9 @@ priority becomes the group's learning signal (``priority(group)``, the spread of
 rewards: a group all right or all wrong has no GRPO advantage).
 
 The ring holds the groups' prompt and version columns; the Group objects sit in a list
-beside it, at the same slot, and every draw checks that the two agree. A group overwritten before it was ever trained is dropped
-(``replay_overwritten``); reuse is counted by the Ledger (``trainings`` vs ``trained``).
+beside it, at the same slot, and every draw checks that the two agree. A group overwritten
+before it was ever trained is dropped (``replay_overwritten``); reuse is counted by the
+Ledger (``trainings`` vs ``trained``).
 
 A group lives in the ring until ``capacity`` newer ones arrive, i.e. for at most
 ``ceil(capacity / fresh_per_step)`` steps, so the staleness it can be trained at is
