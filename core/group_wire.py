@@ -143,10 +143,15 @@ def decode_group(buf) -> Group:
     return from_record(codec.decode(buf))
 
 
+def _pickled(group: Group, protocol: int):
+    """The group's codec bytes as a pickle argument: out of band from protocol 5 on."""
+    data = encode_group(group)
+    return pickle.PickleBuffer(data) if protocol >= 5 else data
+
+
 def reduce_group(group: Group, protocol: int) -> tuple:
     """``Group.__reduce_ex__``: codec bytes, out of band at protocol 5."""
-    data = encode_group(group)
-    return decode_group, (pickle.PickleBuffer(data) if protocol >= 5 else data,)
+    return decode_group, (_pickled(group, protocol),)
 
 
 def _sample_from_wire(buf) -> Sample:
@@ -155,5 +160,5 @@ def _sample_from_wire(buf) -> Sample:
 
 def reduce_sample(sample: Sample, protocol: int) -> tuple:
     """``Sample.__reduce_ex__``: a lone sample travels as a group of one."""
-    data = encode_group(Group(prompt_id=sample.prompt_id, samples=[sample], version=-1, admitted_at=sample.admitted_at))
-    return _sample_from_wire, (pickle.PickleBuffer(data) if protocol >= 5 else data,)
+    alone = Group(prompt_id=sample.prompt_id, samples=[sample], version=-1, admitted_at=sample.admitted_at)
+    return _sample_from_wire, (_pickled(alone, protocol),)
