@@ -24,7 +24,8 @@ $(PY):
 
 # `pip install -e` builds the extensions in place (ext/_*.so), importable from the repo root.
 $(STAMP): pyproject.toml setup.py $(EXT_SOURCES) | $(PY)
-	$(PY) -m pip install -e ".[dev]"
+	$(PY) -m pip install -e ".[dev,cpu]"
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
 build: $(STAMP)

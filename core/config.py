@@ -165,6 +165,120 @@ class ReplaySpec(_Frozen):
     """Importance-weight exponent (Schaul et al. 2016: 0.4, annealed towards 1 in their runs)."""
 
 
+class TinyModelSpec(_Frozen):
+    """The tiny random-weight Qwen2 model that the real runtimes train and serve (core/tiny_model.py)."""
+
+    path: str = "models/tiny-qwen2"
+    """Model directory, relative to the working directory; built on first use if missing."""
+    seed: int = Field(0, ge=0)
+    """Seeds the random weights and the tokenizer's training text."""
+    layers: int = Field(2, ge=1)
+    """Transformer layers."""
+    heads: int = Field(4, ge=1)
+    """Attention heads; hidden size is heads x head_dim."""
+    kv_heads: int = Field(2, ge=1)
+    """Key/value heads (grouped-query attention, as in Qwen2)."""
+    head_dim: int = Field(32, ge=32)
+    """Head dimension; vLLM's CPU attention needs 32 or more."""
+    intermediate: int = Field(256, ge=1)
+    """MLP width."""
+    max_positions: int = Field(512, ge=16)
+    """Longest prompt + response the model takes."""
+
+
+class TaskSpec(_Frozen):
+    """The verifiable task of the real runtimes (core/task.py): repeat letters of the prompt, then stop."""
+
+    min_letters: int = Field(2, ge=1, le=26)
+    """Fewest distinct letters in a prompt."""
+    max_letters: int = Field(6, ge=1, le=26)
+    """Most distinct letters in a prompt."""
+    length_per_letter: int = Field(3, ge=1)
+    """Full reward needs at least this many response words per prompt letter before <eos>."""
+
+
+class EngineSpec(_Frozen):
+    """What generates: the simulated engine, a torch model, or vLLM."""
+
+    kind: Literal["sim", "torch", "vllm"] = "sim"
+    """`sim` on the sim runtime; `torch` or `vllm` on the local and ray runtimes."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of rollout (1.0: the behaviour policy is the policy itself)."""
+    vllm_kv_cache_gb: int = Field(1, ge=1)
+    """vLLM on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    vllm_gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """vLLM on GPU: fraction of device memory the engine may take."""
+
+
+class LearnSpec(_Frozen):
+    """The torch GRPO trainer of the real runtimes."""
+
+    lr: float = Field(3e-3, gt=0)
+    """Adam learning rate."""
+    is_cap: float = Field(2.0, ge=1)
+    """Cap of the truncated importance weight pi_train / pi_behaviour per token (TIS)."""
+    decoupled: bool = False
+    """Decoupled PPO: recompute the proximal policy's log-probs before the update and clip the ratio to it."""
+    clip_eps: float = Field(0.2, gt=0, lt=1)
+    """PPO clip range of the ratio to the proximal policy (decoupled PPO)."""
+    minibatches: int = Field(1, ge=1)
+    """Optimizer updates per trainer step, each on a slice of whole groups."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Global gradient-norm clip."""
+
+
+class RewardSpec(_Frozen):
+    """Where rewards are computed."""
+
+    serve: bool = False
+    """Ray runtime: score through a Ray Serve deployment instead of in the Rollouter's process."""
+    replicas: int = Field(1, ge=1)
+    """Replicas of the Serve deployment."""
+
+
+class EvalSpec(_Frozen):
+    """Evaluation of the current policy on held-out prompts, beside training."""
+
+    every: int = Field(0, ge=0)
+    """Evaluate every this many versions; 0 turns evaluation off."""
+    prompts: int = Field(32, ge=1)
+    """Held-out prompts per evaluation, split among the workers."""
+    workers: int = Field(2, ge=1)
+    """Parallel evaluators (Ray remote functions on the ray runtime)."""
+    timeout_s: float = Field(1.0, gt=0)
+    """How long the driver's ray.wait waits for evaluations each time it looks."""
+
+
+class RoleSpec(_Frozen):
+    """Ray resources of one role's actors."""
+
+    num_cpus: float = Field(1.0, ge=0)
+    """CPUs each actor reserves."""
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs each actor reserves."""
+    max_concurrency: int = Field(64, ge=1)
+    """Calls an actor runs at once (async actors interleave them on one loop)."""
+
+
+class RaySpec(_Frozen):
+    """The ray runtime: where the cluster is and what each role reserves."""
+
+    address: Optional[str] = None
+    """Join this cluster (e.g. `ray://head:10001` or `auto`); None starts a local instance and stops it after the run."""
+    num_cpus: Optional[int] = Field(None, ge=1)
+    """CPUs of the local instance; None gives it every core of the machine."""
+    rollout: RoleSpec = RoleSpec(num_cpus=1.0, max_concurrency=256)
+    """Each rollout engine actor; on CPU one engine is one core."""
+    trainer: RoleSpec = RoleSpec(num_cpus=1.0, max_concurrency=8)
+    """The trainer actor."""
+    controller: RoleSpec = RoleSpec(num_cpus=0.0, max_concurrency=256)
+    """The Rollouter actor: scheduling only, no model."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How the placement group lays the rollout and trainer bundles on nodes."""
+    poll_s: float = Field(1.0, gt=0)
+    """Timeout of each ray.wait of the driver, between which it reports progress."""
+
+
 class ReportSpec(_Frozen):
     """What a run writes besides report.json."""
 
@@ -183,8 +297,10 @@ class Scenario(_Frozen):
     """Seeds the workload; every mode sees the same prompts and lengths."""
     modes: tuple[Mode, ...] = ("sync", "async", "partial")
     """Modes to run, each on the same workload: sync, async, partial."""
-    runtime: Literal["sim"] = "sim"
-    """Where components run; `sim` is one process on a virtual clock."""
+    runtime: Literal["sim", "local", "ray"] = "sim"
+    """Where components run: `sim` one process on a virtual clock; `local` one process on the
+    real clock with real engines; `ray` every component a Ray actor. On the real runtimes a
+    device of `resources` is a GPU when the roles reserve GPUs, else one CPU core."""
     model: ModelSpec = ModelSpec()
     """The policy model."""
     gpu: GpuSpec = GpuSpec()
@@ -205,6 +321,20 @@ class Scenario(_Frozen):
     """The optional replay stage between queue and trainer."""
     report: ReportSpec = ReportSpec()
     """Report extras."""
+    engine: EngineSpec = EngineSpec()
+    """The rollout engine."""
+    tiny_model: TinyModelSpec = TinyModelSpec()
+    """The model of the real runtimes."""
+    task: TaskSpec = TaskSpec()
+    """The task of the real runtimes."""
+    learn: LearnSpec = LearnSpec()
+    """The torch trainer of the real runtimes."""
+    reward: RewardSpec = RewardSpec()
+    """Reward computation (real runtimes)."""
+    eval: EvalSpec = EvalSpec()
+    """Held-out evaluation (real runtimes)."""
+    ray: RaySpec = RaySpec()
+    """The ray runtime."""
 
     @model_validator(mode="after")
     def _consistent(self) -> "Scenario":
@@ -240,6 +370,22 @@ class Scenario(_Frozen):
                 f"runs further ahead than staleness.max_staleness = {self.staleness.max_staleness} lets anything be trained",
                 f"use at most {self.staleness.max_staleness}, or raise staleness.max_staleness",
             )
+        kind = self.engine.kind
+        if (self.runtime == "sim") != (kind == "sim"):
+            fix = "use engine.kind: sim" if self.runtime == "sim" else "use engine.kind: torch or vllm"
+            raise ConfigError("engine.kind", kind, f"does not run on runtime {self.runtime}", fix)
+        if self.task.min_letters > self.task.max_letters:
+            raise ConfigError("task.min_letters", self.task.min_letters, "is above task.max_letters", f"use at most {self.task.max_letters}")
+        if self.runtime != "sim":
+            need = 1 + self.task.max_letters + 2 + self.workload.max_response_len
+            if need > self.tiny_model.max_positions:
+                raise ConfigError(
+                    "workload.max_response_len", self.workload.max_response_len,
+                    f"prompt + response can reach {need} tokens, beyond tiny_model.max_positions = {self.tiny_model.max_positions}",
+                    f"use at most {self.tiny_model.max_positions - need + self.workload.max_response_len}, or raise tiny_model.max_positions",
+                )
+        if self.reward.serve and self.runtime != "ray":
+            raise ConfigError("reward.serve", True, f"Ray Serve needs runtime ray, not {self.runtime}", "set runtime: ray, or reward.serve: false")
         rp = self.replay
         if rp.enabled and rp.capacity_groups < bs // n:
             raise ConfigError(

@@ -1,0 +1,90 @@
+"""The task of the real runtimes: prompts, and a reward anyone can verify from the text.
+
+A prompt is k distinct letters and ``=`` (``"q c x ="``). A good response repeats letters of
+the prompt, at least ``length_per_letter * k`` of them, and then stops:
+
+    reward = in_prompt * min(1, n / (length_per_letter * k))     if it ended with <eos>
+    reward = 0                                                     if it ran into the cap
+
+where n is the response length before <eos> and ``in_prompt`` the fraction of its words that
+are letters of the prompt. The policy decides when to stop, so response lengths really vary:
+a random policy stops on <eos> about once per vocabulary size tokens (a geometric tail), and
+the reward both lengthens short responses and cuts those that never stop.
+
+The reward is computed on the decoded text, not on token ids, so it is the same whoever
+tokenizes (the trainer, vLLM, the reward service).
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Sequence
+
+import numpy as np
+
+LETTERS = tuple(string.ascii_lowercase)
+DIGITS = tuple(string.digits)
+PAD, EOS, BOS, SEP = "<pad>", "<eos>", "<bos>", "="
+SPECIAL = (PAD, EOS, BOS)
+# Held-out evaluation prompts come from their own random stream (see ``Task.tokens``).
+EVAL_STREAM = 7
+
+
+class Task:
+    """Deterministic prompts per (seed, prompt id); rewards from the decoded response."""
+
+    def __init__(
+        self,
+        seed: int,
+        min_letters: int,
+        max_letters: int,
+        length_per_letter: int,
+        encode,
+        decode,
+    ) -> None:
+        """``encode(text) -> list[int]`` and ``decode(ids) -> str`` come from the tokenizer."""
+        self.seed = seed
+        self.min_letters = min_letters
+        self.max_letters = max_letters
+        self.length_per_letter = length_per_letter
+        self._encode = encode
+        self._decode = decode
+
+    def prompt_text(self, prompt_id: int, held_out: bool = False) -> str:
+        stream = EVAL_STREAM if held_out else 0
+        rng = np.random.default_rng([self.seed, stream, prompt_id])
+        k = int(rng.integers(self.min_letters, self.max_letters + 1))
+        letters = rng.choice(len(LETTERS), size=k, replace=False)
+        return " ".join(LETTERS[i] for i in letters) + " " + SEP
+
+    def tokens(self, prompt_id: int, held_out: bool = False) -> np.ndarray:
+        """The prompt's token ids, <bos> first."""
+        return np.asarray(self._encode(f"{BOS} " + self.prompt_text(prompt_id, held_out)), dtype=np.int64)
+
+    def reward(self, prompt_id: int, response_tokens: Sequence[int], held_out: bool = False) -> float:
+        return score_text(self.prompt_text(prompt_id, held_out), self._decode(list(response_tokens)), self.length_per_letter)
+
+
+def score_text(prompt: str, response: str, length_per_letter: int) -> float:
+    """The reward of one response text (words separated by spaces) to one prompt text."""
+    allowed = set(prompt.split()) - {SEP}
+    words = response.split()
+    if EOS not in words:
+        return 0.0
+    words = words[: words.index(EOS)]
+    if not words:
+        return 0.0
+    in_prompt = sum(w in allowed for w in words) / len(words)
+    return in_prompt * min(1.0, len(words) / (length_per_letter * len(allowed)))
+
+
+def corpus(n_lines: int, seed: int) -> list[str]:
+    """Text in the task's language, to train the tokenizer on: every symbol a prompt or a
+    response can hold appears in it."""
+    rng = np.random.default_rng([seed, 11])
+    symbols = LETTERS + DIGITS + (SEP,)
+    lines = []
+    for _ in range(n_lines):
+        k = int(rng.integers(1, 24))
+        lines.append(" ".join(symbols[i] for i in rng.integers(0, len(symbols), size=k)))
+    return lines
