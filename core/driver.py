@@ -17,21 +17,24 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
+
+import numpy as np
 
 from core import virtual_clock
 from core.config import Scenario
 from core.costs import DecodeCost, TrainCost, TransferCost
 from core.engine_sim import SimEngine
 from core.ledger import Ledger
-from core.param_sync import ParamSync, SimWeightTransfer
+from core.param_sync import ParamSync, SimWeightTransfer, WeightTransfer
 from core.placement import Placement, effective_staleness
 from core.replay_stage import ReplayStage, staleness_bound
-from core.rollouter import Rollouter
+from core.rollouter import Engine, PromptSource, RewardFn, Rollouter
+from core.sample import Group
 from core.staleness_queue import AsyncStalenessQueue
 from core.timeline import Timeline
-from core.trainer import SimTrainBackend, Trainer
+from core.trainer import BatchSource, SimTrainBackend, TrainBackend, Trainer
 from core.workload import Workload
 
 ProgressFn = Callable[[int, float, int], None]
@@ -47,91 +50,165 @@ class System:
     ledger: Ledger
     timeline: Timeline
     queue: AsyncStalenessQueue
-    engines: list[SimEngine]
+    engines: list
     rollouter: Rollouter
     param_sync: ParamSync
     trainer: Trainer
-    train_backend: SimTrainBackend
+    train_backend: TrainBackend
     replay: Optional[ReplayStage] = None
     end_s: float = 0.0
     wall_s: float = 0.0
+    evaluations: list = field(default_factory=list)  # held-out scores per version (real runtimes)
 
 
-def connect_components(sc: Scenario, mode: str, on_step: Optional[ProgressFn] = None) -> System:
-    """Build one mode's system. Must be called inside the loop that will run it."""
+@dataclass
+class Workers:
+    """What does the work, which is all that differs between runtimes: engines (simulated,
+    in process, or proxies to Ray actors), the train backend, how weights move, and, for
+    real engines, where prompts and rewards come from."""
+
+    engines: list[Engine]
+    backend: TrainBackend
+    transfer: WeightTransfer
+    prompts: Optional[PromptSource] = None
+    reward: Optional[RewardFn] = None
+
+
+def sim_workers(sc: Scenario, mode: str, timeline: Timeline) -> Workers:
+    """The sim runtime's workers: engines and trainer on modelled costs."""
     place = Placement.of(sc, mode)
-    max_staleness, lead = effective_staleness(sc, mode)
-    n = sc.workload.group_size
-    window = sc.window
     workload = Workload(sc.workload, sc.seed)
-    groups_per_step, fresh_per_step, warm_up = sc.groups_per_step, sc.fresh_groups_per_step, sc.warm_up_groups
-    rp = sc.replay
-    trained_bound = max_staleness
-    if rp.enabled:
-        trained_bound = staleness_bound(max_staleness, rp.capacity_groups, fresh_per_step, sc.trainer.sync_every)
-    ledger = Ledger(trained_bound, reuse=rp.enabled)
-    timeline = Timeline()
-    # Admission keeps admitted-but-untrained samples under (max_staleness + 2) windows, so
-    # a queue this large never blocks a producer while the trainer waits on a sync drain.
-    queue = AsyncStalenessQueue(
-        capacity=(max_staleness + 2) * window // n + warm_up + 1, max_staleness=max_staleness
-    )
-    replay = None
-    if rp.enabled:
-        replay = ReplayStage(
-            queue=queue,
-            ledger=ledger,
-            capacity=rp.capacity_groups,
-            groups_per_step=groups_per_step,
-            fresh_per_step=fresh_per_step,
-            warm_up=warm_up,
-            prioritized=rp.prioritized,
-            alpha=rp.alpha,
-            beta=rp.beta,
-            seed=sc.seed,
-            priority=lambda g: workload.reward_spread(g.prompt_id),
-        )
     decode = DecodeCost(sc, place.gpus_per_engine)
     engines = [
         SimEngine(f"engine{i:03d}", decode, workload, sc.rollout.max_num_seqs, timeline)
         for i in range(place.engines)
     ]
+    backend = SimTrainBackend(TrainCost(sc, place.trainer_gpus, mode in sc.trainer.recompute_logprobs))
+    return Workers(engines, backend, SimWeightTransfer(TransferCost(sc, colocated=place.colocated)))
+
+
+def queue_capacity(sc: Scenario, mode: str) -> int:
+    # Admission keeps admitted-but-untrained samples under (max_staleness + 2) windows, so
+    # a queue this large never blocks a producer while the trainer waits on a sync drain.
+    max_staleness, _ = effective_staleness(sc, mode)
+    return (max_staleness + 2) * sc.window // sc.workload.group_size + sc.warm_up_groups + 1
+
+
+def trained_bound(sc: Scenario, mode: str) -> int:
+    """The staleness no trained sample exceeds: the queue's bound, plus a replay ring's."""
+    max_staleness, _ = effective_staleness(sc, mode)
+    rp = sc.replay
+    if not rp.enabled:
+        return max_staleness
+    return staleness_bound(max_staleness, rp.capacity_groups, sc.fresh_groups_per_step, sc.trainer.sync_every)
+
+
+def connect_rollout(
+    sc: Scenario, mode: str, workers: Workers, ledger: Ledger, queue: AsyncStalenessQueue
+) -> Rollouter:
+    """The producer side: the Rollouter admitting groups to the engines and feeding the queue."""
+    place = Placement.of(sc, mode)
+    max_staleness, lead = effective_staleness(sc, mode)
+    n = sc.workload.group_size
     max_concurrency = sc.rollout.max_concurrency or max(n, place.engines * sc.rollout.max_num_seqs)
-    rollouter = Rollouter(
-        engines=engines,
+    return Rollouter(
+        engines=workers.engines,
         queue=queue,
         ledger=ledger,
         group_size=n,
         prompt_tokens=sc.workload.prompt_tokens,
         max_response_len=sc.workload.max_response_len,
         max_concurrency=max_concurrency,
-        window=window,
+        window=sc.window,
         lead=lead,
         max_staleness=max_staleness,
-        plan_samples=(sc.trainer.steps * fresh_per_step + warm_up) * n,
-        head_start=warm_up * n,
+        plan_samples=(sc.trainer.steps * sc.fresh_groups_per_step + sc.warm_up_groups) * n,
+        head_start=sc.warm_up_groups * n,
+        prompts=workers.prompts,
+        reward=workers.reward,
     )
+
+
+def connect_trainer(
+    sc: Scenario,
+    mode: str,
+    workers: Workers,
+    ledger: Ledger,
+    queue: BatchSource,
+    rollouter: Rollouter,
+    timeline: Timeline,
+    on_step: Optional[ProgressFn] = None,
+) -> tuple[Trainer, ParamSync, Optional[ReplayStage]]:
+    """The consumer side: (replay ring,) Trainer, and the ParamSync it triggers.
+
+    ``queue`` and ``rollouter`` are the objects themselves in one process, or proxies with
+    the same awaitable methods when the two sides live in different Ray actors.
+    """
+    place = Placement.of(sc, mode)
+    rp = sc.replay
+    replay = None
+    if rp.enabled:
+        workload = Workload(sc.workload, sc.seed)
+
+        def priority(g: Group) -> float:
+            # Real rewards when the engines made some; else the workload's modelled spread.
+            rewards = [s.reward for s in g.samples if s.reward is not None]
+            return float(np.std(rewards)) if rewards else workload.reward_spread(g.prompt_id)
+
+        replay = ReplayStage(
+            queue=queue,
+            ledger=ledger,
+            capacity=rp.capacity_groups,
+            groups_per_step=sc.groups_per_step,
+            fresh_per_step=sc.fresh_groups_per_step,
+            warm_up=sc.warm_up_groups,
+            prioritized=rp.prioritized,
+            alpha=rp.alpha,
+            beta=rp.beta,
+            seed=sc.seed,
+            priority=priority,
+        )
     param_sync = ParamSync(
         rollouter=rollouter,
-        queue=queue,
-        transfer=SimWeightTransfer(TransferCost(sc, colocated=place.colocated)),
+        transfer=workers.transfer,
         mode="abort" if mode == "partial" else "wait",
         timeline=timeline,
     )
-    backend = SimTrainBackend(TrainCost(sc, place.trainer_gpus, mode in sc.trainer.recompute_logprobs))
     trainer = Trainer(
         source=queue if replay is None else replay,
         ledger=ledger,
-        backend=backend,
+        backend=workers.backend,
         param_sync=param_sync,
-        groups_per_step=groups_per_step,
+        groups_per_step=sc.groups_per_step,
         sync_every=sc.trainer.sync_every,
         steps=sc.trainer.steps,
         timeline=timeline,
         pull_window=place.colocated,
         on_step=on_step,
     )
-    return System(sc, mode, place, ledger, timeline, queue, engines, rollouter, param_sync, trainer, backend, replay)
+    return trainer, param_sync, replay
+
+
+def connect_components(
+    sc: Scenario,
+    mode: str,
+    on_step: Optional[ProgressFn] = None,
+    workers: Optional[Workers] = None,
+    timeline: Optional[Timeline] = None,
+) -> System:
+    """Build one mode's system in one process (sim or local runtime). Must be called inside
+    the loop that will run it. ``workers`` defaults to the sim runtime's."""
+    timeline = timeline or Timeline()
+    workers = workers or sim_workers(sc, mode, timeline)
+    ledger = Ledger(trained_bound(sc, mode), reuse=sc.replay.enabled)
+    max_staleness, _ = effective_staleness(sc, mode)
+    queue = AsyncStalenessQueue(capacity=queue_capacity(sc, mode), max_staleness=max_staleness)
+    rollouter = connect_rollout(sc, mode, workers, ledger, queue)
+    trainer, param_sync, replay = connect_trainer(sc, mode, workers, ledger, queue, rollouter, timeline, on_step)
+    return System(
+        sc, mode, Placement.of(sc, mode), ledger, timeline, queue, workers.engines,
+        rollouter, param_sync, trainer, workers.backend, replay,
+    )
 
 
 async def drive(system: System) -> System:
@@ -156,7 +233,7 @@ async def drive(system: System) -> System:
     system.ledger.dropped_groups(left + queued + unused, "run_end")
     system.trainer.holding = []
     for e in system.engines:
-        e.close(system.end_s)
+        await e.close(system.end_s)
     return system
 
 
@@ -170,8 +247,17 @@ def in_flight(system: System) -> int:
     )
 
 
-def run_mode(sc: Scenario, mode: str, on_step: Optional[ProgressFn] = None) -> System:
-    """Run one mode on the virtual clock."""
+def run_mode(sc: Scenario, mode: str, on_step: Optional[ProgressFn] = None, on_processes=None) -> System:
+    """Run one mode on the scenario's runtime. ``on_processes([(name, pid)])`` is told the
+    processes that do the work once they exist (for a profiler)."""
+    if sc.runtime == "local":
+        from core.workers import run_local
+
+        return run_local(sc, mode, on_step, on_processes)
+    if sc.runtime == "ray":
+        from core.ray_runtime import run_ray
+
+        return run_ray(sc, mode, on_step, on_processes)
 
     async def main() -> System:
         return await drive(connect_components(sc, mode, on_step))

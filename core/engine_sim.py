@@ -107,7 +107,7 @@ class SimEngine:
         self._reschedule(loop)
         return await waiter.future
 
-    def abort_all(self) -> int:
+    async def abort_all(self) -> int:
         """Interrupt every request; partial tokens stay on their samples. Returns how many."""
         loop = asyncio.get_running_loop()
         now = loop.time()
@@ -129,7 +129,7 @@ class SimEngine:
             self._timer = None
         return n
 
-    async def update_weights(self, version: int) -> None:
+    async def update_weights(self, version: int, weights=None) -> None:
         if self._heap or self._waiting:
             raise RuntimeError(f"{self.name}: update_weights with requests in flight; pause the rollout first")
         self.version = version
@@ -237,7 +237,7 @@ class SimEngine:
                 self.timeline.add(self.name, GENERATE, self._busy_since, now)
             self._busy_since = None
 
-    def close(self, now: float) -> None:
+    async def close(self, now: float) -> None:
         """Close the open busy span at the end of a run."""
         self._advance(now)
         self._idle(now)

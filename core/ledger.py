@@ -39,6 +39,8 @@ class Ledger:
         self.token_staleness_sum = 0
         self.response_tokens = 0
         self.prompt_tokens = 0
+        self.reward_sum = 0.0  # over trainings of samples that carry a reward (real engines)
+        self.rewarded = 0
         # per sample
         self.interrupted = 0
         self.interrupts = 0
@@ -82,6 +84,9 @@ class Ledger:
                     raise LedgerError(f"sample {s.uid}: trained before its generation finished")
                 self.response_tokens += s.n_response
                 self.prompt_tokens += s.n_prompt
+                if s.reward is not None:
+                    self.reward_sum += s.reward
+                    self.rewarded += 1
                 for v, k in s.version_spans:
                     self.token_staleness_sum += (version - v) * k
             if again:
@@ -96,6 +101,37 @@ class Ledger:
                 if s.interrupts:
                     self.interrupted += 1
                     self.interrupts += s.interrupts
+
+    def merge(self, other: "Ledger") -> None:
+        """Add the accounting of another part of the same run: the ray runtime keeps one
+        ledger beside the Rollouter (admitted, dropped) and one beside the Trainer (trained)."""
+        if (other.max_staleness, other.reuse) != (self.max_staleness, self.reuse):
+            raise LedgerError("merging ledgers of different runs")
+        for name, theirs in vars(other).items():
+            mine = getattr(self, name)
+            if name in ("max_staleness", "reuse"):
+                continue
+            if name in ("staleness_max", "max_response"):
+                setattr(self, name, max(mine, theirs))
+            elif name == "_trained_mask":
+                if len(theirs) > len(mine):
+                    mine.extend(bytes(len(theirs) - len(mine)))
+                for i, flag in enumerate(theirs):
+                    if flag:
+                        if mine[i] and not self.reuse:
+                            raise LedgerError(f"sample {i}: trained in two ledgers")
+                        mine[i] = 1
+            elif isinstance(mine, Counter):
+                mine.update(theirs)
+            elif isinstance(mine, list):
+                mine.extend(theirs)
+            else:
+                setattr(self, name, mine + theirs)
+        self.step_ends.sort()
+
+    def shift_times(self, dt: float) -> None:
+        """Move this ledger's timestamps by ``dt`` (onto another process's clock)."""
+        self.step_ends = [(t + dt, n) for t, n in self.step_ends]
 
     def step_done(self, now: float) -> None:
         self.step_ends.append((now, self.trainings))

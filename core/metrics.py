@@ -1,6 +1,10 @@
 """Report metrics of one run, each name defined once here, units in the name.
 
-The sim runtime reports simulated seconds everywhere except ``sim/wall_s``.
+The sim runtime reports simulated seconds everywhere except ``sim/wall_s``. The real
+runtimes (local, ray) report wall seconds, ``run/…`` instead of ``sim/…``, what the torch
+trainer learned (``learn/…``) and its model FLOPs utilization; their pipeline bound is not
+computed (it is the sim's cost model, not a measurement of this machine), and ``util/gpu``
+says where it comes from: ``spans`` (engine and trainer busy time) or ``nvml`` (measured).
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ def _mean(xs: list[float]) -> float:
     return float(np.mean(xs)) if xs else 0.0
 
 
-def collect(system: System, bound: Bound | None = None) -> dict[str, float | int | str]:
-    """Every metric of a finished run (``bound``: the mode's pipeline bound, if already computed)."""
+def collect(system: System, bound: Bound | None = None, gpu: dict | None = None) -> dict[str, float | int | str | None]:
+    """Every metric of a finished run (``bound``: the mode's pipeline bound, if already computed;
+    ``gpu``: what an NVML sampler measured during the run, if a GPU was visible)."""
     sc, led, place = system.scenario, system.ledger, system.placement
     end = system.end_s
     ps = system.param_sync
@@ -32,7 +37,9 @@ def collect(system: System, bound: Bound | None = None) -> dict[str, float | int
     dropped = led.dropped_total
     observed = in_flight(system)
     e2e = np.asarray(led.e2e_s) if led.e2e_s else np.zeros(1)
-    bound = bound or pipeline_bound(sc, system.mode)
+    real = sc.runtime != "sim"
+    if bound is None and not real:
+        bound = pipeline_bound(sc, system.mode)
     thr = trainings / end if end > 0 else 0.0
     gpu_s = place.total_gpus * end
     rollout_gpus = len(engines) * place.gpus_per_engine
@@ -65,7 +72,7 @@ def collect(system: System, bound: Bound | None = None) -> dict[str, float | int
         "util/trainer_busy": trainer_compute / end if end else 0.0,
         "trainer/wait_s": system.trainer.wait_s,
         "util/gpu": share["generate"] + share["train"],
-        "util/gpu_source": "modeled",
+        "util/gpu_source": "spans" if real else "modeled",
         "gpu_time/generate": share["generate"],
         "gpu_time/train": share["train"],
         "gpu_time/sync": share["sync"],
@@ -86,18 +93,31 @@ def collect(system: System, bound: Bound | None = None) -> dict[str, float | int
         "tokens/generated": generated,
         "tokens/trained_response": led.response_tokens,
         "tokens/prefill": sum(e.prefill_tokens for e in engines),
-        "bound/trained_samples_per_s": bound.trained_samples_per_s,
-        "bound/resource_samples_per_s": bound.resource_samples_per_s,
-        "bound/rollout_samples_per_s": bound.rollout_samples_per_s,
-        "bound/trainer_samples_per_s": bound.trainer_samples_per_s,
-        "bound/limited_by": bound.limited_by,
-        "bound/version_bubble_s": bound.version_bubble_s,
-        "bound/efficiency": thr / bound.trained_samples_per_s if bound.trained_samples_per_s else 0.0,
         "trainer/steps": system.trainer.step,
         "trainer/final_version": system.trainer.version,
-        "sim/duration_s": end,
-        "sim/wall_s": system.wall_s,
     }
+    if bound is not None:
+        m.update({
+            "bound/trained_samples_per_s": bound.trained_samples_per_s,
+            "bound/resource_samples_per_s": bound.resource_samples_per_s,
+            "bound/rollout_samples_per_s": bound.rollout_samples_per_s,
+            "bound/trainer_samples_per_s": bound.trainer_samples_per_s,
+            "bound/limited_by": bound.limited_by,
+            "bound/version_bubble_s": bound.version_bubble_s,
+            "bound/efficiency": thr / bound.trained_samples_per_s if bound.trained_samples_per_s else 0.0,
+        })
+    else:
+        m.update({"bound/trained_samples_per_s": None, "bound/efficiency": None, "bound/limited_by": "not computed on a real runtime"})
+    if real:
+        m.update(_learned(system, end))
+        if gpu:
+            m["util/gpu_spans"] = m["util/gpu"]
+            m.update(gpu)  # util/gpu and util/gpu_source: nvml, per-device figures
+        m["run/duration_s"] = end
+        m["run/wall_s"] = system.wall_s
+    else:
+        m["sim/duration_s"] = end
+        m["sim/wall_s"] = system.wall_s
     for reason, n in sorted(led.dropped.items()):
         m[f"samples/dropped_{reason}"] = n
     for name, n in system.queue.counters().items():
@@ -108,11 +128,46 @@ def collect(system: System, bound: Bound | None = None) -> dict[str, float | int
     return m
 
 
+def _learned(system: System, end: float) -> dict:
+    """What the real trainer learned and how hard it worked."""
+    led, be = system.ledger, system.train_backend
+    info = system.trainer.step_info
+    rewards = [i["reward_mean"] for i in info if "reward_mean" in i]
+    k = max(1, len(rewards) // 5)
+    peak = getattr(be, "peak_flops", 0.0) or 0.0
+    trainer_devices = system.placement.trainer_gpus
+    m = {
+        "learn/reward_mean": led.reward_sum / led.rewarded if led.rewarded else 0.0,
+        "learn/reward_first_steps": float(np.mean(rewards[:k])) if rewards else 0.0,
+        "learn/reward_last_steps": float(np.mean(rewards[-k:])) if rewards else 0.0,
+        "util/mfu": be.flops / (end * peak) if end and peak else 0.0,
+        "util/mfu_busy": be.flops / (be.compute_s * peak) if be.compute_s and peak else 0.0,
+        "util/mfu_peak_tflops": peak / 1e12,
+        "util/mfu_devices": trainer_devices,
+    }
+    evals = system.evaluations
+    if evals:
+        m["eval/count"] = len(evals)
+        m["eval/reward_first"] = evals[0]["reward_mean"]
+        m["eval/reward_last"] = evals[-1]["reward_mean"]
+    return m
+
+
 def series(system: System) -> dict[str, list]:
     """Time series for plots and report.json."""
     led = system.ledger
-    return {
+    out = {
         "step_end_s": [t for t, _ in led.step_ends],
         "trained_samples": [n for _, n in led.step_ends],
         "staleness_per_group": [tv - gv for _, gv, tv in led.trained_log],
     }
+    info = [i for i in system.trainer.step_info if "reward_mean" in i]
+    if info:
+        # Reward of each step's batch, against trained samples and against wall time.
+        out["learn_step_end_s"] = [i["end_s"] for i in info]
+        out["learn_trained_samples"] = [i["trainings"] for i in info]
+        out["learn_reward_mean"] = [i["reward_mean"] for i in info]
+        out["learn_loss"] = [i.get("loss") for i in info]
+    if system.evaluations:
+        out["eval"] = list(system.evaluations)
+    return out

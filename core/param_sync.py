@@ -7,19 +7,19 @@ report shows whether a sync costs bandwidth or waiting for the longest response.
 from __future__ import annotations
 
 import asyncio
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 from core.rollouter import PauseMode, Rollouter
-from core.staleness_queue import AsyncStalenessQueue
 from core.timeline import SYNC, Timeline
 
 
 class WeightTransfer(Protocol):
-    async def send(self, version: int) -> None: ...
+    async def send(self, version: int) -> Any:
+        """Publish the trainer's weights as ``version``; returns what every engine loads."""
 
 
 class SimWeightTransfer:
-    """Waits out the modelled transfer time on the (virtual) clock."""
+    """Waits out the modelled transfer time on the (virtual) clock; nothing to load."""
 
     def __init__(self, cost) -> None:
         self.cost = cost
@@ -33,13 +33,11 @@ class ParamSync:
         self,
         *,
         rollouter: Rollouter,
-        queue: AsyncStalenessQueue,
         transfer: WeightTransfer,
         mode: PauseMode,
         timeline: Optional[Timeline] = None,
     ) -> None:
         self.rollouter = rollouter
-        self.queue = queue
         self.transfer = transfer
         self.mode = mode
         self.timeline = timeline
@@ -52,11 +50,10 @@ class ParamSync:
         t0 = loop.time()
         await self.rollouter.pause(self.mode)
         t1 = loop.time()
-        await self.transfer.send(version)
+        weights = await self.transfer.send(version)
         t2 = loop.time()
-        await self.rollouter.update_weights(version)
-        self.rollouter.dropped_from_queue(self.queue.set_version(version), "stale")
-        self.rollouter.resume()
+        await self.rollouter.update_weights(version, weights)
+        await self.rollouter.resume()
         t3 = loop.time()
         self.drain_s.append(t1 - t0)
         self.transfer_s.append(t2 - t1)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
-from typing import Literal, Optional, Protocol
+from typing import Any, Literal, Optional, Protocol
+
+import numpy as np
 
 from core.ledger import Ledger
 from core.sample import Group, Sample
@@ -20,15 +22,31 @@ PauseMode = Literal["wait", "abort"]
 
 
 class Engine(Protocol):
+    """What the Rollouter drives: the simulated engine, a torch model, vLLM, or a proxy to
+    any of them in a Ray actor. Every method is awaitable so that a proxy has the same API."""
+
     name: str
 
-    async def generate(self, group: Group, max_response_len: int) -> bool: ...
+    async def generate(self, group: Group, max_response_len: int) -> bool:
+        """Generate the group's unfinished responses in place; False if aborted first."""
 
-    def abort_all(self) -> int: ...
+    async def abort_all(self) -> int:
+        """Interrupt every request in flight (partial tokens stay on their samples)."""
 
-    async def update_weights(self, version: int) -> None: ...
+    async def update_weights(self, version: int, weights: Any) -> None:
+        """Load ``weights`` (None: the engine models weights, nothing to load) as ``version``."""
 
     async def clear_cache(self) -> None: ...
+
+
+class PromptSource(Protocol):
+    def tokens(self, prompt_id: int) -> np.ndarray:
+        """The prompt's token ids."""
+
+
+class RewardFn(Protocol):
+    async def score(self, group: Group) -> list[float]:
+        """One reward per sample of a finished group."""
 
 
 class Rollouter:
@@ -55,6 +73,8 @@ class Rollouter:
         max_staleness: int,
         plan_samples: int,
         head_start: int = 0,
+        prompts: Optional[PromptSource] = None,
+        reward: Optional[RewardFn] = None,
     ) -> None:
         self.engines = engines
         self.queue = queue
@@ -69,6 +89,9 @@ class Rollouter:
         self.plan_samples = plan_samples
         # Samples the trainer takes once, beyond its windows (a replay ring filling up).
         self.head_start = head_start
+        # Real engines need prompt tokens and finished groups a reward; the sim engine neither.
+        self.prompts = prompts
+        self.reward = reward
         self.version = 0
         self.running = 0  # samples being generated
         self._holding = 0  # samples of the groups being generated, finished members included
@@ -106,8 +129,10 @@ class Rollouter:
         pid = self._next_prompt
         self._next_prompt += 1
         now = asyncio.get_running_loop().time()
+        tokens = self.prompts.tokens(pid) if self.prompts is not None else None
+        n_prompt = self.prompt_tokens if tokens is None else len(tokens)
         samples = [
-            Sample(uid=pid * n + i, prompt_id=pid, index=i, n_prompt=self.prompt_tokens, admitted_at=now)
+            Sample(uid=pid * n + i, prompt_id=pid, index=i, n_prompt=n_prompt, prompt_tokens=tokens, admitted_at=now)
             for i in range(n)
         ]
         g = Group(prompt_id=pid, samples=samples, version=self.version, admitted_at=now)
@@ -152,6 +177,9 @@ class Rollouter:
             self._holding -= group.size
             self._wake.set()
         if completed:
+            if self.reward is not None:
+                for s, value in zip(group.samples, await self.reward.score(group)):
+                    s.reward = value
             group.finished_at = asyncio.get_running_loop().time()
             if not await self.queue.put(group, group.version):
                 self._drop([group], "stale_on_arrival")
@@ -167,19 +195,25 @@ class Rollouter:
         """Stop admitting; ``wait`` drains in-flight work, ``abort`` interrupts it."""
         self._paused = True
         if mode == "abort":
-            for e in self.engines:
-                e.abort_all()
+            await self._abort_all()
         if self._active:
             await asyncio.wait(list(self._active))
-        for e in self.engines:
-            await e.clear_cache()
+        await asyncio.gather(*(e.clear_cache() for e in self.engines))
 
-    async def update_weights(self, version: int) -> None:
+    async def _abort_all(self) -> None:
+        # One engine after the other: a simulated engine aborts without suspending, so no
+        # completion due at this instant slips in between (a remote one is one short RPC).
         for e in self.engines:
-            await e.update_weights(version)
+            await e.abort_all()
+
+    async def update_weights(self, version: int, weights: Any = None) -> None:
+        """Every engine loads ``weights`` (concurrently), then the queue's version gate moves:
+        groups it evicts free their staleness budget."""
+        await asyncio.gather(*(e.update_weights(version, weights) for e in self.engines))
         self.version = version
+        self.dropped_from_queue(self.queue.set_version(version), "stale")
 
-    def resume(self) -> None:
+    async def resume(self) -> None:
         self._paused = False
         self._wake.set()
 
@@ -187,8 +221,7 @@ class Rollouter:
         """End of run: interrupt everything and hand back every group not yet queued."""
         self._stopped = True
         self._paused = True
-        for e in self.engines:
-            e.abort_all()
+        await self._abort_all()
         if self._active:
             await asyncio.wait(list(self._active))
         self._wake.set()

@@ -91,3 +91,25 @@ class Group:
 
     def unfinished(self) -> list[Sample]:
         return [s for s in self.samples if not s.finished]
+
+    def shift_times(self, dt: float) -> None:
+        """Move every timestamp by ``dt``: onto the clock of the process that received it."""
+        self.admitted_at += dt
+        self.finished_at += dt
+        for s in self.samples:
+            s.admitted_at += dt
+            s.started_at += dt
+            s.finished_at += dt
+            s.trained_at += dt
+
+    def take_generation(self, other: "Group") -> None:
+        """Adopt what an engine elsewhere generated into ``other``, a copy of this group:
+        the objects the Rollouter holds stay the ones it accounts for."""
+        for mine, theirs in zip(self.samples, other.samples):
+            mine.response_tokens = theirs.response_tokens
+            mine.logprobs = theirs.logprobs
+            mine.n_response = theirs.n_response
+            mine.version_spans = theirs.version_spans
+            mine.finished = theirs.finished
+            mine.started_at = theirs.started_at
+            mine.finished_at = theirs.finished_at

@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from core.config import TinyModelSpec
@@ -65,7 +66,7 @@ def build(out: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
         torch.manual_seed(spec.seed)
         model = Qwen2ForCausalLM(cfg)
         model.save_pretrained(tmp)
-        (tmp / STAMP).write_text(json.dumps({"build": BUILD_VERSION, "spec": spec.model_dump()}, sort_keys=True))
+        (tmp / STAMP).write_text(json.dumps({"build": BUILD_VERSION, "spec": _built_from(spec)}, sort_keys=True))
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -84,7 +85,12 @@ def is_built(out: str | Path, spec: TinyModelSpec) -> bool:
         meta = json.loads(stamp.read_text())
     except (OSError, ValueError):
         return False
-    return meta.get("build") == BUILD_VERSION and meta.get("spec") == spec.model_dump()
+    return meta.get("build") == BUILD_VERSION and meta.get("spec") == _built_from(spec)
+
+
+def _built_from(spec: TinyModelSpec) -> dict:
+    """What the weights depend on: the spec but where it is written."""
+    return spec.model_dump(exclude={"path"})
 
 
 def ensure(out: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
@@ -92,6 +98,21 @@ def ensure(out: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
     if not is_built(out, spec):
         build(out, spec)
     return Path(out)
+
+
+# transformers builds a model on the meta device under process-wide state: two threads
+# loading at once corrupt each other (a tied lm_head left on meta), so loads take turns.
+_LOAD_LOCK = threading.Lock()
+
+
+def load_model(model_dir: str | Path, **kwargs):
+    """``Qwen2ForCausalLM.from_pretrained`` in float32, safe to call from several threads."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    kwargs.setdefault("dtype", torch.float32)
+    with _LOAD_LOCK:
+        return Qwen2ForCausalLM.from_pretrained(str(model_dir), **kwargs)
 
 
 def load_tokenizer(model_dir: str | Path):

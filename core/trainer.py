@@ -78,6 +78,8 @@ class Trainer:
         self.step = 0
         self.holding: list[Group] = []  # pulled, not yet trained
         self.wait_s = 0.0
+        # What the backend said of each step, with when it ended and the trainings so far.
+        self.step_info: list[dict] = []
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -90,10 +92,11 @@ class Trainer:
                 self.wait_s += loop.time() - t0
             batch = self.holding[: self.groups_per_step]
             t0 = loop.time()
-            await self.backend.train_step(batch, self.version)
+            info = await self.backend.train_step(batch, self.version)
             now = loop.time()
             del self.holding[: self.groups_per_step]
             self.ledger.trained_groups(batch, self.version, now)
+            self.step_info.append({"end_s": now, "trainings": self.ledger.trainings, **info})
             if self.timeline is not None:
                 self.timeline.add("trainer", TRAIN, t0, now)
             self.step += 1

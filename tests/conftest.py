@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 from hypothesis import settings
 
 # Shared machines (CI on 2 cores) make per-example timings noisy: no deadlines, and always
@@ -11,3 +13,29 @@ settings.register_profile("asyncrl", deadline=None, print_blob=True)
 # never a coin flip; local runs keep exploring new ones.
 settings.register_profile("ci", parent=settings.get_profile("asyncrl"), derandomize=True, database=None)
 settings.load_profile("ci" if os.environ.get("CI") else "asyncrl")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One Ray instance for the whole test session (starting one costs seconds and memory);
+    the ray runtime reuses an instance already connected instead of starting its own."""
+    import ray
+
+    from core.ray_runtime import ENV_VARS
+
+    for k, v in ENV_VARS.items():
+        os.environ.setdefault(k, v)
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": dict(ENV_VARS)}, log_to_driver=False)
+    yield ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The tiny model, built once per session outside the working tree."""
+    from core.tiny_model import ensure
+
+    return ensure(tmp_path_factory.mktemp("tiny") / "tiny-qwen2")

@@ -78,7 +78,7 @@ def test_abort_keeps_partial_tokens_and_resume_finishes_at_budget():
         g = group(0, 3)
         task = asyncio.create_task(e.generate(g, 1000))
         await asyncio.sleep(1.0)
-        assert e.abort_all() == 2
+        assert await e.abort_all() == 2
         assert await task is False
         partial = [s.n_response for s in g.samples]
         await e.update_weights(1)
@@ -104,7 +104,7 @@ def test_update_weights_refuses_in_flight_requests():
         await asyncio.sleep(0.01)
         with pytest.raises(RuntimeError, match="pause the rollout first"):
             await e.update_weights(1)
-        e.abort_all()
+        await e.abort_all()
         await task
 
     virtual_clock.run(main())

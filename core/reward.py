@@ -1,0 +1,86 @@
+"""Rewards of the real runtimes: the task scored in process, or through a Ray Serve deployment.
+
+The Rollouter awaits ``score(group)`` on a finished group either way; with ``reward.serve``
+the same scoring code runs in Serve replicas (``.options(...)``, ``.bind(...)``,
+``serve.run``) and the Rollouter calls them through the deployment handle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from core.config import Scenario
+from core.sample import Group
+from core.task import Task
+
+
+def make_task(sc: Scenario) -> Task:
+    """The scenario's task, tokenized with the tiny model's tokenizer."""
+    from core.tiny_model import load_tokenizer
+
+    tok = load_tokenizer(sc.tiny_model.path)
+    t = sc.task
+    return Task(
+        seed=sc.seed,
+        min_letters=t.min_letters,
+        max_letters=t.max_letters,
+        length_per_letter=t.length_per_letter,
+        encode=lambda text: tok.encode(text, add_special_tokens=False),
+        decode=lambda ids: tok.decode(ids, skip_special_tokens=False),
+    )
+
+
+class TaskPrompts:
+    """The Rollouter's prompt source: the task's training prompts."""
+
+    def __init__(self, task: Task) -> None:
+        self.task = task
+
+    def tokens(self, prompt_id: int) -> np.ndarray:
+        return self.task.tokens(prompt_id)
+
+
+class TaskReward:
+    """Scores in the caller's process: cheap, so it runs inline on the Rollouter's loop."""
+
+    def __init__(self, task: Task) -> None:
+        self.task = task
+
+    async def score(self, group: Group) -> list[float]:
+        return [self.task.reward(group.prompt_id, s.response_tokens) for s in group.samples]
+
+
+class RewardService:
+    """The Serve deployment's replica: the same task scoring, behind a deployment handle."""
+
+    def __init__(self, sc: Scenario) -> None:
+        self.task = make_task(sc)
+
+    def score(self, prompt_id: int, responses: list[list[int]]) -> list[float]:
+        return [self.task.reward(prompt_id, r) for r in responses]
+
+
+class ServeReward:
+    """The Rollouter's view of the deployment: the same ``score`` as ``TaskReward``."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    async def score(self, group: Group) -> list[float]:
+        return await self.handle.score.remote(group.prompt_id, [list(s.response_tokens) for s in group.samples])
+
+
+def deploy_reward(sc: Scenario) -> Any:
+    """Start the reward deployment on the connected Ray cluster; returns its handle."""
+    from ray import serve
+
+    # Called from the Rollouter through the handle only: no HTTP proxy to start.
+    serve.start(proxy_location="Disabled")
+    app = (
+        serve.deployment(RewardService, name="reward")
+        .options(num_replicas=sc.reward.replicas, ray_actor_options={"num_cpus": 0})
+        .bind(sc)
+    )
+    return serve.run(app, name="asyncrl-reward", route_prefix=None)

@@ -1,0 +1,63 @@
+"""``--profile``: py-spy records the driver and every process that does the work.
+
+One ``py-spy record`` per process (the driver, each Ray actor; ``--subprocesses`` takes in
+what they start, such as vLLM's engine core), each writing a flame graph SVG into the mode's
+``profile/`` directory when the run ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class ProfileError(RuntimeError):
+    """py-spy is missing or cannot attach."""
+
+
+class Profiler:
+    def __init__(self, out: Path, rate: int = 100) -> None:
+        exe = shutil.which("py-spy") or str(Path(os.sys.executable).parent / "py-spy")
+        if not Path(exe).exists():
+            raise ProfileError("py-spy not found; fix: install the project (make run) or pip install py-spy")
+        self.exe = exe
+        self.out = out
+        self.rate = rate
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def attach(self, processes: list[tuple[str, int]]) -> None:
+        """Start recording each ``(name, pid)``."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        for name, pid in processes:
+            svg = self.out / f"{name}.svg"
+            cmd = [self.exe, "record", "--pid", str(pid), "--rate", str(self.rate), "--subprocesses",
+                   "--format", "flamegraph", "--output", str(svg), "--nonblocking"]
+            log.info("profiling %s (pid %d) into %s", name, pid, svg)
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+            self.procs.append((name, proc))
+
+    def stop(self) -> list[Path]:
+        """Stop every recorder (SIGINT makes py-spy write its SVG); the flame graphs written."""
+        for _, proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        written = []
+        for name, proc in self.procs:
+            try:
+                _, err = proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+            svg = self.out / f"{name}.svg"
+            if svg.is_file():
+                written.append(svg)
+            else:
+                log.warning("py-spy wrote no flame graph for %s: %s", name, (err or b"").decode(errors="replace").strip()[-300:])
+        self.procs = []
+        return written
