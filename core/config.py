@@ -189,12 +189,14 @@ class TinyModelSpec(_Frozen):
 class TaskSpec(_Frozen):
     """The verifiable task of the real runtimes (core/task.py): repeat letters of the prompt, then stop."""
 
+    alphabet: int = Field(8, ge=1, le=26)
+    """Prompts draw their letters from the first this many of a-z; the tokenizer knows all 26 (the rest are distractors)."""
     min_letters: int = Field(2, ge=1, le=26)
     """Fewest distinct letters in a prompt."""
     max_letters: int = Field(6, ge=1, le=26)
     """Most distinct letters in a prompt."""
-    length_per_letter: int = Field(3, ge=1)
-    """Full reward needs at least this many response words per prompt letter before <eos>."""
+    length_per_letter: int = Field(2, ge=1)
+    """Full reward needs at least length_per_letter x k**2 response words before <eos> (k: the prompt's letters)."""
 
 
 class EngineSpec(_Frozen):
@@ -380,6 +382,11 @@ class Scenario(_Frozen):
             raise ConfigError("engine.kind", kind, f"does not run on runtime {self.runtime}", fix)
         if self.task.min_letters > self.task.max_letters:
             raise ConfigError("task.min_letters", self.task.min_letters, "is above task.max_letters", f"use at most {self.task.max_letters}")
+        if self.task.max_letters > self.task.alphabet:
+            raise ConfigError(
+                "task.max_letters", self.task.max_letters, f"a prompt's letters are distinct, and task.alphabet has {self.task.alphabet}",
+                f"use at most {self.task.alphabet}, or raise task.alphabet",
+            )
         if self.runtime != "sim":
             need = 1 + self.task.max_letters + 2 + self.workload.max_response_len
             if need > self.tiny_model.max_positions:

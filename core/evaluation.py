@@ -3,8 +3,10 @@
 Every ``eval.every`` versions the driver scores the weights of that version on
 ``eval.prompts`` held-out prompts (the task's separate prompt stream), split among
 ``eval.workers``: Ray remote functions on the ray runtime, collected with ``ray.wait`` as
-they finish, or worker threads on the local runtime. Decoding is greedy, so a score moves
-only when the policy does. Training never waits for an evaluation; one that has not
+they finish, or worker threads on the local runtime. Responses are sampled as rollout samples
+them, with a fixed seed: the draws are the same for every version, so a score
+moves only when the policy does. (Greedy decoding says little here: the argmax token is
+rarely <eos>, so a greedy response almost never ends.) Training never waits for an evaluation; one that has not
 finished ``eval.timeout_s`` after the run ended is reported missing, not waited for.
 """
 
@@ -22,8 +24,8 @@ log = logging.getLogger(__name__)
 
 
 def evaluate(sc: Scenario, weights: Optional[dict], version: int, prompt_ids: list[int], threads: Optional[int] = None) -> dict:
-    """Greedy responses of the policy with ``weights`` (None: the initial ones) to held-out
-    prompts, and their rewards. ``threads`` sets torch's (process-wide) thread count: a Ray
+    """Responses of the policy with ``weights`` (None: the initial ones) to held-out prompts,
+    sampled at the rollout temperature with a fixed seed, and their rewards. ``threads`` sets torch's (process-wide) thread count: a Ray
     evaluator owns its process; in the local runtime it must leave the trainer's alone."""
     import torch
 
@@ -38,22 +40,43 @@ def evaluate(sc: Scenario, weights: Optional[dict], version: int, prompt_ids: li
     model.eval()
     task = make_task(sc)
     cfg = model.config
-    rewards, lengths = [], []
+    prompts = [task.tokens(pid, held_out=True) for pid in prompt_ids]
+    width = max(len(p) for p in prompts)
+    # One batched generate, prompts left-padded: a few hundred decode steps in all.
+    ids = torch.full((len(prompts), width), cfg.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.from_numpy(p)
+        mask[i, width - len(p):] = 1
+    torch.manual_seed(sc.seed * 100_003 + prompt_ids[0])  # the same draws for every version
     with torch.no_grad():
-        for pid in prompt_ids:
-            prompt = torch.from_numpy(task.tokens(pid, held_out=True)).unsqueeze(0)
-            out = model.generate(
-                prompt,
-                attention_mask=torch.ones_like(prompt),
-                max_new_tokens=sc.workload.max_response_len,
-                do_sample=False,
-                eos_token_id=cfg.eos_token_id,
-                pad_token_id=cfg.pad_token_id,
-            )
-            response = out[0, prompt.shape[1]:].tolist()
-            rewards.append(task.reward(pid, response, held_out=True))
-            lengths.append(len(response))
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=sc.workload.max_response_len,
+            do_sample=True,
+            temperature=sc.engine.temperature,
+            top_k=0,
+            top_p=1.0,
+            eos_token_id=cfg.eos_token_id,
+            pad_token_id=cfg.pad_token_id,
+        )
+    rewards, lengths = [], []
+    for pid, row in zip(prompt_ids, out[:, width:].tolist()):
+        if cfg.eos_token_id in row:  # what follows the first <eos> is padding
+            row = row[: row.index(cfg.eos_token_id) + 1]
+        rewards.append(task.reward(pid, row, held_out=True))
+        lengths.append(len(row))
     return {"version": version, "rewards": rewards, "lengths": lengths}
+
+
+def _warm() -> None:
+    import time
+
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    time.sleep(1.0)  # overlap the tasks, so each gets its own worker
 
 
 def _chunks(sc: Scenario) -> list[list[int]]:
@@ -69,7 +92,7 @@ class Evaluations:
     def __init__(self, sc: Scenario) -> None:
         self.sc = sc
         self.every = sc.eval.every
-        self.next_version = self.every
+        self.next_version = 0  # version 0, the initial policy, is the baseline
         self.results: list[dict] = []
         self.missing: list[int] = []
         self._parts: dict[int, list] = {}  # version -> partial results
@@ -93,16 +116,28 @@ class Evaluations:
             self.results.sort(key=lambda r: r["version"])
 
     # -- ray runtime ------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Start the evaluators' worker processes before the run is timed: each imports torch
+        and transformers once, here, instead of in the middle of the measured run."""
+        import ray
+
+        if not self.every:
+            return
+        remote = ray.remote(_warm).options(num_cpus=self.sc.eval.num_cpus)
+        ray.get([remote.remote() for _ in _chunks(self.sc)], timeout=300)
+
     def poll(self, trainer: Any, version: int, now: float) -> None:
         """Launch an evaluation when a due version is out; collect the finished ones."""
         import ray
 
         if self.every and version >= self.next_version:
             v, refs = ray.get(trainer.latest_weights.remote())
-            if refs and v >= self.next_version:
+            if v >= self.next_version:
+                # Version 0 is the model directory's weights: nothing was published yet.
+                weights = refs[0] if refs else None
                 remote = ray.remote(evaluate).options(num_cpus=self.sc.eval.num_cpus)
                 for chunk in _chunks(self.sc):
-                    self._pending[remote.remote(self.sc, refs[0], v, chunk, 1)] = v
+                    self._pending[remote.remote(self.sc, weights, v, chunk, 1)] = v
                 self._started[v] = now
                 self.next_version = v + self.every
         if self._pending:

@@ -21,6 +21,7 @@ Each process has its own monotonic clock: the driver measures every actor's offs
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -41,6 +42,10 @@ log = logging.getLogger(__name__)
 
 # Every Ray process, actors and the vLLM engine cores they start, gets these.
 ENV_VARS = {**REAL_RUNTIME_ENV, "RAY_AUTH_MODE": "disabled"}
+# A local instance keeps idle workers instead of killing them after a second: a remote
+# function (an evaluator) then reuses a warm process rather than importing torch again, which
+# costs seconds of a core that the run being measured needs.
+LOCAL_SYSTEM_CONFIG = {"num_workers_soft_limit": 32}
 
 
 def _ray():
@@ -62,8 +67,26 @@ def start_cluster(sc: Scenario) -> bool:
     if sc.ray.address:
         ray.init(address=sc.ray.address, runtime_env=env, log_to_driver=False)
     else:
-        ray.init(num_cpus=sc.ray.num_cpus or os.cpu_count(), include_dashboard=False, runtime_env=env, log_to_driver=False)
+        ray.init(
+            num_cpus=sc.ray.num_cpus or os.cpu_count(), include_dashboard=False, runtime_env=env,
+            log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG,
+        )
     return True
+
+
+@contextlib.contextmanager
+def cluster(sc: Scenario):
+    """Ray connected for the block: started (and stopped after) unless already connected."""
+    started = start_cluster(sc)
+    try:
+        yield
+    finally:
+        if started:
+            if sc.reward.serve:
+                from ray import serve
+
+                serve.shutdown()
+            _ray().shutdown()
 
 
 # -- actors ----------------------------------------------------------------------------------
@@ -476,6 +499,7 @@ def run_ray(
             on_processes(list(zip(names, pids)))
 
         evals = Evaluations(sc)
+        evals.warm_up()
         t0 = time.monotonic()
         run_refs = {rollout.run.remote(): "rollouter", trainer.run.remote(): "trainer"}
         last_step = 0

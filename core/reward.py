@@ -11,19 +11,25 @@ from typing import Any
 
 import numpy as np
 
-from core.config import Scenario
+from core.config import Scenario, TaskSpec
 from core.sample import Group
 from core.task import Task
 
 
 def make_task(sc: Scenario) -> Task:
     """The scenario's task, tokenized with the tiny model's tokenizer."""
+    return task_from(sc.task, sc.seed, sc.tiny_model.path)
+
+
+def task_from(t: TaskSpec, seed: int, model_dir) -> Task:
+    """A task on the tokenizer of ``model_dir``; ``<eos>`` stays a word of decoded text,
+    which the reward needs."""
     from core.tiny_model import load_tokenizer
 
-    tok = load_tokenizer(sc.tiny_model.path)
-    t = sc.task
+    tok = load_tokenizer(model_dir)
     return Task(
-        seed=sc.seed,
+        seed=seed,
+        alphabet=t.alphabet,
         min_letters=t.min_letters,
         max_letters=t.max_letters,
         length_per_letter=t.length_per_letter,

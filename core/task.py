@@ -1,15 +1,17 @@
 """The task of the real runtimes: prompts, and a reward anyone can verify from the text.
 
-A prompt is k distinct letters and ``=`` (``"q c x ="``). A good response repeats letters of
-the prompt, at least ``length_per_letter * k`` of them, and then stops:
+A prompt is k distinct letters of the first ``alphabet`` of a-z, and ``=`` (``"c a f ="``). A good response repeats letters of
+the prompt, at least ``target = length_per_letter * k**2`` of them, and then stops:
 
-    reward = in_prompt * min(1, n / (length_per_letter * k))     if it ended with <eos>
-    reward = 0                                                     if it ran into the cap
+    reward = in_prompt * min(1, n / target)     if it ended with <eos>
+    reward = 0                                  if it ran into the cap
 
 where n is the response length before <eos> and ``in_prompt`` the fraction of its words that
-are letters of the prompt. The policy decides when to stop, so response lengths really vary:
-a random policy stops on <eos> about once per vocabulary size tokens (a geometric tail), and
-the reward both lengthens short responses and cuts those that never stop.
+are letters of the prompt. The policy decides when to stop, so response lengths really vary,
+and as in reasoning tasks the harder prompts need much longer answers: the target grows with
+the square of k (8 to 72 words with the defaults), while a random policy stops on <eos> about
+once per vocabulary size tokens (a geometric tail). The reward both lengthens short responses
+and cuts those that never stop.
 
 The reward is computed on the decoded text, not on token ids, so it is the same whoever
 tokenizes (the trainer, vLLM, the reward service).
@@ -36,6 +38,7 @@ class Task:
     def __init__(
         self,
         seed: int,
+        alphabet: int,
         min_letters: int,
         max_letters: int,
         length_per_letter: int,
@@ -44,6 +47,7 @@ class Task:
     ) -> None:
         """``encode(text) -> list[int]`` and ``decode(ids) -> str`` come from the tokenizer."""
         self.seed = seed
+        self.alphabet = alphabet
         self.min_letters = min_letters
         self.max_letters = max_letters
         self.length_per_letter = length_per_letter
@@ -54,7 +58,7 @@ class Task:
         stream = EVAL_STREAM if held_out else 0
         rng = np.random.default_rng([self.seed, stream, prompt_id])
         k = int(rng.integers(self.min_letters, self.max_letters + 1))
-        letters = rng.choice(len(LETTERS), size=k, replace=False)
+        letters = rng.choice(self.alphabet, size=k, replace=False)
         return " ".join(LETTERS[i] for i in letters) + " " + SEP
 
     def tokens(self, prompt_id: int, held_out: bool = False) -> np.ndarray:
@@ -75,7 +79,7 @@ def score_text(prompt: str, response: str, length_per_letter: int) -> float:
     if not words:
         return 0.0
     in_prompt = sum(w in allowed for w in words) / len(words)
-    return in_prompt * min(1.0, len(words) / (length_per_letter * len(allowed)))
+    return in_prompt * min(1.0, len(words) / (length_per_letter * len(allowed) ** 2))
 
 
 def corpus(n_lines: int, seed: int) -> list[str]:

@@ -172,7 +172,6 @@ def run_local(sc: Scenario, mode: str, on_step=None, on_processes=None) -> "Syst
 async def _watch_versions(system, transfer: "LocalWeightTransfer", evals) -> None:
     """Start an evaluation when a due version's weights are out; never waits on one."""
     while True:
+        version, weights = transfer.latest or (0, None)  # version 0: the model directory's weights
+        evals.launch_local(weights, version, asyncio.get_running_loop().time())
         await asyncio.sleep(0.05)
-        if transfer.latest is not None:
-            version, weights = transfer.latest
-            evals.launch_local(weights, version, asyncio.get_running_loop().time())

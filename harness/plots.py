@@ -101,7 +101,7 @@ def reward_png(system: System, path: Path) -> None:
     b.plot([i["end_s"] for i in info], [i["reward_mean"] for i in info], ".-", color=COLORS[TRAIN], lw=1, label="trained batches")
     ev = system.evaluations
     if ev:
-        b.plot([e["done_s"] for e in ev], [e["reward_mean"] for e in ev], "o--", color=COLORS[SYNC], label="held-out (greedy)")
+        b.plot([e["done_s"] for e in ev], [e["reward_mean"] for e in ev], "o--", color=COLORS[SYNC], label="held-out prompts")
     b.set_xlabel("wall time (s)")
     b.legend(loc="lower right", fontsize=8)
     for ax in (a, b):

@@ -94,6 +94,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_variant(sc, label, where: Path, env: dict, console: Console, plots: bool, profile: bool = False) -> dict:
+    if sc.runtime == "ray":
+        from core.ray_runtime import cluster
+
+        with cluster(sc):  # one Ray instance for every mode of the run
+            return _run_modes(sc, label, where, env, console, plots, profile)
+    return _run_modes(sc, label, where, env, console, plots, profile)
+
+
+def _run_modes(sc, label, where: Path, env: dict, console: Console, plots: bool, profile: bool) -> dict:
     reports = {}
     with ModeProgress(console, sc.trainer.steps) as progress:
         for mode in sc.modes:

@@ -21,11 +21,14 @@ def ray_session():
     the ray runtime reuses an instance already connected instead of starting its own."""
     import ray
 
-    from core.ray_runtime import ENV_VARS
+    from core.ray_runtime import ENV_VARS, LOCAL_SYSTEM_CONFIG
 
     for k, v in ENV_VARS.items():
         os.environ.setdefault(k, v)
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": dict(ENV_VARS)}, log_to_driver=False)
+    ray.init(
+        num_cpus=2, include_dashboard=False, runtime_env={"env_vars": dict(ENV_VARS)},
+        log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG,
+    )
     yield ray
     from ray import serve
 

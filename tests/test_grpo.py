@@ -15,9 +15,10 @@ import torch
 
 from core.config import LearnSpec, TaskSpec
 from core.grpo import TorchTrainBackend, group_advantages, peak_flops
+from core.reward import task_from
 from core.sample import Group, Sample
 from core.task import Task
-from core.tiny_model import ensure, load_tokenizer
+from core.tiny_model import ensure
 
 THREADS = 2
 
@@ -28,16 +29,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def make_task(model_dir: Path, spec: TaskSpec = TaskSpec(), seed: int = 0) -> Task:
-    tok = load_tokenizer(model_dir)
-    # skip_special_tokens stays False: the reward needs <eos> as a word of the text.
-    return Task(
-        seed,
-        spec.min_letters,
-        spec.max_letters,
-        spec.length_per_letter,
-        encode=lambda s: tok.encode(s, add_special_tokens=False),
-        decode=lambda ids: tok.decode(ids, skip_special_tokens=False),
-    )
+    return task_from(spec, seed, model_dir)
 
 
 @torch.no_grad()

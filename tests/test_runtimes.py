@@ -12,7 +12,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from core.config import MODES, Scenario, with_changes
+from core.config import MODES, Scenario, TinyModelSpec, with_changes
 from core.driver import in_flight, run_mode
 from core.metrics import collect
 from harness.scenario import load
@@ -21,7 +21,10 @@ from harness.scenario import load
 def small(path: str, model_dir, **changes) -> Scenario:
     sc = load(path)
     base = {
+        # The session's tiny model: the default spec, whatever the scenario's model is.
         "tiny_model.path": str(model_dir),
+        "tiny_model.layers": TinyModelSpec().layers,
+        "tiny_model.intermediate": TinyModelSpec().intermediate,
         "trainer.steps": 3,
         "trainer.batch_size": 32,
         "workload.max_response_len": 48,
