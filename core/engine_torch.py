@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from core.sample import Group, Sample
-from core.timeline import GENERATE, Timeline
+from core.engine_meter import EngineMeter
+from core.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class _Request:
         self.done = False  # finished or aborted: its row is dropped at the next step
 
 
-class TorchEngine:
+class TorchEngine(EngineMeter):
     """A rollout engine running a Hugging Face causal LM with batched sampling."""
 
     def __init__(
@@ -65,10 +66,7 @@ class TorchEngine:
         self.timeline = timeline
         self.device = torch.device(device)
         self.version = 0
-        self.tokens_generated = 0
-        self.prefill_tokens = 0
-        self.busy_s = 0.0
-        self.seq_s = 0.0
+        self._init_meter()
         self.model = None
         self.eos_token_id: int = -1
         self.max_positions: int = 0
@@ -81,8 +79,6 @@ class TorchEngine:
         self._last = torch.zeros(0, dtype=torch.long)  # last sampled token of each row
         self._task: Optional[asyncio.Task] = None
         self._live: set[_Request] = set()  # submitted, not yet finished or aborted
-        self._t = 0.0  # time the counters were last advanced to
-        self._busy_since: Optional[float] = None
 
     # -- protocol ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -118,8 +114,7 @@ class TorchEngine:
             return True
         self._advance(loop.time())
         self._live.update(reqs)
-        if self._busy_since is None:
-            self._busy_since = loop.time()
+        self._busy(loop.time())
         self._waiting.extend(reqs)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name=f"{self.name}-decode")
@@ -175,30 +170,11 @@ class TorchEngine:
         self.model = None
 
     # -- bookkeeping on the event loop --------------------------------------------------------
-    def _advance(self, now: float) -> None:
-        if self._live and now > self._t:
-            self.seq_s += len(self._live) * (now - self._t)
-        self._t = max(self._t, now)
-
-    def _idle(self, now: float) -> None:
-        if self._busy_since is not None and not self._live:
-            self.busy_s += now - self._busy_since
-            if self.timeline is not None:
-                self.timeline.add(self.name, GENERATE, self._busy_since, now)
-            self._busy_since = None
-
     def _release(self, req: _Request, finished: bool) -> None:
         now = asyncio.get_running_loop().time()
         self._advance(now)
         req.done = True
-        s = req.sample
-        n = len(req.tokens)
-        if n:
-            s.add_tokens(n, self.version, req.tokens, req.logprobs)
-            self.tokens_generated += n
-        if finished:
-            s.finished = True
-            s.finished_at = now
+        self._deliver(req.sample, req.tokens, req.logprobs, finished, now)
         self._live.discard(req)
         self._idle(now)
         if not req.future.done():

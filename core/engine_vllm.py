@@ -24,7 +24,8 @@ from typing import Any, Optional
 import numpy as np
 
 from core.sample import Group, Sample
-from core.timeline import GENERATE, Timeline
+from core.engine_meter import EngineMeter
+from core.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class _Request:
         self.done = False
 
 
-class VllmEngine:
+class VllmEngine(EngineMeter):
     """A rollout engine backed by one vLLM ``AsyncLLM``."""
 
     def __init__(
@@ -76,17 +77,12 @@ class VllmEngine:
         self.kv_cache_gb = kv_cache_gb
         self.gpu_memory_utilization = gpu_memory_utilization
         self.version = 0
-        self.tokens_generated = 0
-        self.prefill_tokens = 0
-        self.busy_s = 0.0
-        self.seq_s = 0.0
+        self._init_meter()
         self.eos_token_id: int = -1
         self._engine: Any = None
         self._tied = False
         self._ids = itertools.count()
         self._live: dict[str, _Request] = {}
-        self._t = 0.0
-        self._busy_since: Optional[float] = None
 
     # -- protocol ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -143,8 +139,7 @@ class VllmEngine:
             # vLLM's scheduler is not observable from here: submission stands for scheduling.
             if req.sample.started_at != req.sample.started_at:  # NaN: first time scheduled
                 req.sample.started_at = now
-        if self._busy_since is None:
-            self._busy_since = now
+        self._busy(now)
         results = await asyncio.gather(*(r.task for r in reqs), return_exceptions=True)
         for r in results:
             # A task aborted before it first ran ends cancelled rather than returning False.
@@ -235,28 +230,9 @@ class VllmEngine:
         now = asyncio.get_running_loop().time()
         self._advance(now)
         req.done = True
-        s = req.sample
-        n = len(req.tokens)
-        if n:
-            s.add_tokens(n, self.version, req.tokens, req.logprobs)
-            self.tokens_generated += n
-        if finished:
-            s.finished = True
-            s.finished_at = now
+        self._deliver(req.sample, req.tokens, req.logprobs, finished, now)
         self._live.pop(req.id, None)
         self._idle(now)
-
-    def _advance(self, now: float) -> None:
-        if self._live and now > self._t:
-            self.seq_s += len(self._live) * (now - self._t)
-        self._t = max(self._t, now)
-
-    def _idle(self, now: float) -> None:
-        if self._busy_since is not None and not self._live:
-            self.busy_s += now - self._busy_since
-            if self.timeline is not None:
-                self.timeline.add(self.name, GENERATE, self._busy_since, now)
-            self._busy_since = None
 
 
 def _save(weights: dict[str, np.ndarray], wdir: str, tied: bool) -> None:
