@@ -131,7 +131,7 @@ class Evaluations:
         import ray
 
         if self.every and version >= self.next_version:
-            v, refs = ray.get(trainer.latest_weights.remote())
+            v, refs = ray.get(trainer.latest_weights.remote(), timeout=60)
             if v >= self.next_version:
                 # Version 0 is the model directory's weights: nothing was published yet.
                 weights = refs[0] if refs else None

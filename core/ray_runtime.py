@@ -426,6 +426,9 @@ def _clean(bundle: dict) -> dict:
     return {k: v for k, v in bundle.items() if v > 0} or {"CPU": 0.001}
 
 
+# The most a quick control call (progress, clock, pid) may take before the run is declared stuck.
+RPC_TIMEOUT_S = 60.0
+
 ProcessesFn = Callable[[list[tuple[str, int]]], None]
 
 
@@ -444,118 +447,111 @@ def run_ray(
 
     ensure(sc.tiny_model.path, sc.tiny_model)
     sc = sc.model_copy(update={"tiny_model": sc.tiny_model.model_copy(update={"path": os.path.abspath(sc.tiny_model.path)})})
-    started = start_cluster(sc)
-    place = Placement.of(sc, mode)
-    actors: list = []
-    pg = None
-    serve_started = False
-    try:
-        bundles = _bundles(sc, place)
-        pg = placement_group([_clean(b) for b in bundles], strategy=sc.ray.placement_strategy)
-        ray.get(pg.ready(), timeout=120)
-        share = 0.5 if place.colocated else 1.0  # colocated: engine and trainer split a bundle
+    with cluster(sc):  # started here unless already connected (the harness starts one per run)
+        place = Placement.of(sc, mode)
+        actors: list = []
+        pg = None
+        serve_started = False
+        try:
+            bundles = _bundles(sc, place)
+            pg = placement_group([_clean(b) for b in bundles], strategy=sc.ray.placement_strategy)
+            ray.get(pg.ready(), timeout=120)
+            share = 0.5 if place.colocated else 1.0  # colocated: engine and trainer split a bundle
 
-        def pinned(i: int, role) -> dict:
-            opts = {
-                "num_cpus": role.num_cpus * share,
-                "num_gpus": role.num_gpus * share,
-                "max_concurrency": role.max_concurrency,
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-            }
-            return opts
+            def pinned(i: int, role) -> dict:
+                return {
+                    "num_cpus": role.num_cpus * share,
+                    "num_gpus": role.num_gpus * share,
+                    "max_concurrency": role.max_concurrency,
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+                }
 
-        engine_cls = ray.remote(EngineHost)
-        engines = []
-        for i in range(place.engines):
-            name = f"engine{i:03d}"
-            h = engine_cls.options(name=None, **pinned(i, sc.ray.rollout)).remote(sc, name, place.gpus_per_engine, sc.seed * 1000 + i)
-            engines.append((name, h))
-            actors.append(h)
-        ray.get([h.start.remote() for _, h in engines], timeout=600)
-        off_engines = [_offset(h) for _, h in engines]
-        reward_handle = None
-        if sc.reward.serve:
-            from core.reward import deploy_reward
+            engine_cls = ray.remote(EngineHost)
+            engines = []
+            for i in range(place.engines):
+                name = f"engine{i:03d}"
+                h = engine_cls.options(**pinned(i, sc.ray.rollout)).remote(sc, name, place.gpus_per_engine, sc.seed * 1000 + i)
+                engines.append((name, h))
+                actors.append(h)
+            ray.get([h.start.remote() for _, h in engines], timeout=600)
+            off_engines = [_offset(h) for _, h in engines]
+            reward_handle = None
+            if sc.reward.serve:
+                from core.reward import deploy_reward
 
-            reward_handle = deploy_reward(sc)
-            serve_started = True
-        c = sc.ray.controller
-        rollout = ray.remote(RolloutHost).options(num_cpus=c.num_cpus, num_gpus=c.num_gpus, max_concurrency=c.max_concurrency).remote(sc, mode)
-        actors.append(rollout)
-        off_rollout = _offset(rollout)
-        ray.get(rollout.connect.remote([(name, h, off - off_rollout) for (name, h), off in zip(engines, off_engines)], reward_handle))
-        trainer_bundle = 0 if place.colocated else place.engines
-        trainer = ray.remote(TrainerHost).options(**pinned(trainer_bundle, sc.ray.trainer)).remote(
-            sc, mode, rollout, place.trainer_gpus
-        )
-        actors.append(trainer)
-        # Every actor here shares the host's monotonic clock unless the cluster spans nodes,
-        # and then the offsets matter.
-        off_trainer = _offset(trainer)
-        ray.get(trainer.connect.remote(off_rollout - off_trainer), timeout=120)
-        if on_processes is not None:
-            pids = ray.get([h.pid.remote() for _, h in engines] + [rollout.pid.remote(), trainer.pid.remote()])
-            names = [n for n, _ in engines] + ["rollouter", "trainer"]
-            on_processes(list(zip(names, pids)))
+                reward_handle = deploy_reward(sc)
+                serve_started = True
+            c = sc.ray.controller
+            rollout = ray.remote(RolloutHost).options(num_cpus=c.num_cpus, num_gpus=c.num_gpus, max_concurrency=c.max_concurrency).remote(sc, mode)
+            actors.append(rollout)
+            off_rollout = _offset(rollout)
+            ray.get(rollout.connect.remote([(name, h, off - off_rollout) for (name, h), off in zip(engines, off_engines)], reward_handle))
+            trainer_bundle = 0 if place.colocated else place.engines
+            trainer = ray.remote(TrainerHost).options(**pinned(trainer_bundle, sc.ray.trainer)).remote(
+                sc, mode, rollout, place.trainer_gpus
+            )
+            actors.append(trainer)
+            # Every actor here shares the host's monotonic clock unless the cluster spans nodes,
+            # and then the offsets matter.
+            off_trainer = _offset(trainer)
+            ray.get(trainer.connect.remote(off_rollout - off_trainer), timeout=120)
+            if on_processes is not None:
+                pids = ray.get([h.pid.remote() for _, h in engines] + [rollout.pid.remote(), trainer.pid.remote()])
+                names = [n for n, _ in engines] + ["rollouter", "trainer"]
+                on_processes(list(zip(names, pids)))
 
-        evals = Evaluations(sc)
-        evals.warm_up()
-        t0 = time.monotonic()
-        run_refs = {rollout.run.remote(): "rollouter", trainer.run.remote(): "trainer"}
-        last_step = 0
-        while True:
-            # Watch, never block: the run's two loops, evaluations, progress.
-            ready, _ = ray.wait(list(run_refs), num_returns=1, timeout=sc.ray.poll_s)
-            step, now, trainings, version = ray.get(trainer.progress.remote())
-            if on_step is not None and step != last_step:
-                on_step(step, now - off_trainer - t0, trainings)
-                last_step = step
-            evals.poll(trainer, version, time.monotonic() - t0)
-            if ready:
-                who = run_refs[ready[0]]
-                ray.get(ready[0])  # raises the actor's error
-                if who == "rollouter":
-                    raise RuntimeError("the rollouter stopped before the trainer finished")
-                break
-        trained = ray.get(trainer.finish.remote())
-        rolled = ray.get(rollout.stop.remote())
-        evals.finish(time.monotonic() - t0)
-        for ref in run_refs:
-            if run_refs[ref] == "rollouter":
-                ray.get(ref, timeout=60)  # a rollouter that failed after the trainer finished fails the run
-        # Everything onto the driver's clock, zero at the start.
-        dt_r, dt_t = -off_rollout - t0, -off_trainer - t0
-        ledger: Ledger = rolled["ledger"]
-        ledger.shift_times(dt_r)
-        trained["ledger"].shift_times(dt_t)
-        ledger.merge(trained["ledger"])
-        timeline = Timeline()
-        for part, dt in ((rolled["timeline"], dt_r), (trained["timeline"], dt_t)):
-            for w, rows in part.spans.items():
-                timeline.spans[w].extend([[k, a + dt, b + dt] for k, a, b in rows])
-        tv = trained["trainer"]
-        for info in tv.step_info:
-            info["end_s"] += dt_t
-        system = System(
-            sc, mode, place, ledger, timeline, rolled["queue"], rolled["engines"],
-            _RolloutView(rolled["in_flight"]), trained["param_sync"], tv, trained["backend"], trained["replay"],
-        )
-        system.end_s = trained["end_s"] + dt_t
-        system.wall_s = time.monotonic() - t0
-        system.evaluations = evals.results
-        return system
-    finally:
-        for a in actors:
-            ray.kill(a)
-        if pg is not None:
-            remove_placement_group(pg)
-        if serve_started:
-            from ray import serve
-
-            serve.delete("asyncrl-reward")
-        if started:
+            evals = Evaluations(sc)
+            evals.warm_up()
+            t0 = time.monotonic()
+            run_refs = {rollout.run.remote(): "rollouter", trainer.run.remote(): "trainer"}
+            last_step = 0
+            while True:
+                # Watch, never block: the run's two loops, evaluations, progress.
+                ready, _ = ray.wait(list(run_refs), num_returns=1, timeout=sc.ray.poll_s)
+                step, now, trainings, version = ray.get(trainer.progress.remote(), timeout=RPC_TIMEOUT_S)
+                if on_step is not None and step != last_step:
+                    on_step(step, now - off_trainer - t0, trainings)
+                    last_step = step
+                evals.poll(trainer, version, time.monotonic() - t0)
+                if ready:
+                    who = run_refs[ready[0]]
+                    ray.get(ready[0])  # raises the actor's error
+                    if who == "rollouter":
+                        raise RuntimeError("the rollouter stopped before the trainer finished")
+                    break
+            trained = ray.get(trainer.finish.remote())
+            rolled = ray.get(rollout.stop.remote())
+            evals.finish(time.monotonic() - t0)
+            for ref in run_refs:
+                if run_refs[ref] == "rollouter":
+                    ray.get(ref, timeout=60)  # a rollouter that failed after the trainer finished fails the run
+            # Everything onto the driver's clock, zero at the start.
+            dt_r, dt_t = -off_rollout - t0, -off_trainer - t0
+            ledger: Ledger = rolled["ledger"]
+            ledger.shift_times(dt_r)
+            trained["ledger"].shift_times(dt_t)
+            ledger.merge(trained["ledger"])
+            timeline = Timeline()
+            for part, dt in ((rolled["timeline"], dt_r), (trained["timeline"], dt_t)):
+                for w, rows in part.spans.items():
+                    timeline.spans[w].extend([[k, a + dt, b + dt] for k, a, b in rows])
+            tv = trained["trainer"]
+            for info in tv.step_info:
+                info["end_s"] += dt_t
+            system = System(
+                sc, mode, place, ledger, timeline, rolled["queue"], rolled["engines"],
+                _RolloutView(rolled["in_flight"]), trained["param_sync"], tv, trained["backend"], trained["replay"],
+            )
+            system.end_s = trained["end_s"] + dt_t
+            system.wall_s = time.monotonic() - t0
+            system.evaluations = evals.results
+            return system
+        finally:
+            for a in actors:
+                ray.kill(a)
+            if pg is not None:
+                remove_placement_group(pg)
             if serve_started:
                 from ray import serve
 
-                serve.shutdown()
-            ray.shutdown()
+                serve.delete("asyncrl-reward")
