@@ -89,7 +89,12 @@ def main(argv: list[str] | None = None) -> int:
         console.print(comparison_table(title, summaries[v.label]))
     if any(v.published for v in variants):
         console.print(published_table(first.name, summary))
-    console.print(f"reports in {out}: summary.json, <mode>/report.json, <mode>/timeline.png", highlight=False)
+    files = ["summary.json", "<mode>/report.json", "<mode>/timeline.png"]
+    if first.runtime != "sim":
+        files.append("<mode>/reward.png")
+    if args.profile:
+        files.append("<mode>/profile/*.svg")
+    console.print(f"reports in {out}: {', '.join(files)}", highlight=False)
     return 0
 
 
