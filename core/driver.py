@@ -211,6 +211,20 @@ def connect_components(
     )
 
 
+async def end_rollout(rollouter: Rollouter, queue: AsyncStalenessQueue, ledger: Ledger) -> None:
+    """End of run, producer side: whatever is still generating or queued is beyond the plan."""
+    left = await rollouter.stop()
+    ledger.dropped_groups(left + queue.drain(), "run_end")
+
+
+def release_unused(trainer: Trainer, replay: Optional[ReplayStage], ledger: Ledger) -> None:
+    """End of run, consumer side: what the trainer pulled and never trained. With replay, what
+    it holds was drawn from the ring, which still counts it: the ring's never-trained groups."""
+    unused = replay.drain() if replay else trainer.holding
+    ledger.dropped_groups(unused, "run_end")
+    trainer.holding = []
+
+
 async def drive(system: System) -> System:
     """Run until the trainer has done its steps; blocks on nothing but the component tasks."""
     loop = asyncio.get_running_loop()
@@ -224,14 +238,9 @@ async def drive(system: System) -> System:
         raise RuntimeError("the rollouter stopped before the trainer finished")
     train.result()
     system.end_s = loop.time()
-    # Whatever is still generating or queued is beyond the plan: account for it.
-    left = await system.rollouter.stop()
+    await end_rollout(system.rollouter, system.queue, system.ledger)
     await rollout  # a rollouter that failed after the trainer finished still fails the run
-    queued = system.queue.drain()
-    # With replay, what the trainer holds was drawn from the ring, which still counts it.
-    unused = system.replay.drain() if system.replay else system.trainer.holding
-    system.ledger.dropped_groups(left + queued + unused, "run_end")
-    system.trainer.holding = []
+    release_unused(system.trainer, system.replay, system.ledger)
     for e in system.engines:
         await e.close(system.end_s)
     return system

@@ -29,7 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from core.config import Scenario
-from core.driver import ProgressFn, System, Workers, connect_rollout, connect_trainer, queue_capacity, trained_bound
+from core.driver import (
+    ProgressFn, System, Workers, connect_rollout, connect_trainer, end_rollout, queue_capacity, release_unused,
+    trained_bound,
+)
 from core.evaluation import Evaluations
 from core.ledger import Ledger
 from core.placement import Placement, effective_staleness
@@ -40,7 +43,8 @@ from core.workers import REAL_RUNTIME_ENV
 
 log = logging.getLogger(__name__)
 
-# Every Ray process, actors and the vLLM engine cores they start, gets these.
+# Every Ray process gets these. vLLM's own settings (KV cache size, multiprocessing) are set
+# by VllmEngine in its process before vLLM is imported.
 ENV_VARS = {**REAL_RUNTIME_ENV, "RAY_AUTH_MODE": "disabled"}
 # A local instance keeps idle workers instead of killing them after a second: a remote
 # function (an evaluator) then reuses a warm process rather than importing torch again, which
@@ -60,10 +64,9 @@ def start_cluster(sc: Scenario) -> bool:
     ray = _ray()
     for k, v in ENV_VARS.items():
         os.environ.setdefault(k, v)
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(sc.engine.vllm_kv_cache_gb)
     if ray.is_initialized():
         return False
-    env = {"env_vars": {**ENV_VARS, "VLLM_CPU_KVCACHE_SPACE": str(sc.engine.vllm_kv_cache_gb)}}
+    env = {"env_vars": dict(ENV_VARS)}
     if sc.ray.address:
         ray.init(address=sc.ray.address, runtime_env=env, log_to_driver=False)
     else:
@@ -207,8 +210,7 @@ class RolloutHost:
 
     async def stop(self) -> dict:
         """End of run: stop, account for what was never queued or trained, close engines."""
-        left = await self.rollouter.stop()
-        self.ledger.dropped_groups(left + self.queue.drain(), "run_end")
+        await end_rollout(self.rollouter, self.queue, self.ledger)
         now = asyncio.get_running_loop().time()
         await asyncio.gather(*(e.close(now) for e in self.engines))
         timeline = Timeline()
@@ -313,9 +315,7 @@ class TrainerHost:
     def finish(self) -> dict:
         """End of run: what the trainer holds untrained is dropped; the trainer half of the run."""
         t = self.trainer
-        unused = self.replay.drain() if self.replay else t.holding
-        self.ledger.dropped_groups(unused, "run_end")
-        t.holding = []
+        release_unused(t, self.replay, self.ledger)
         ps = self.param_sync
         return {
             "ledger": self.ledger,
