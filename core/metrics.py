@@ -9,13 +9,15 @@ says where it comes from: ``spans`` (engine and trainer busy time) or ``nvml`` (
 
 from __future__ import annotations
 
+import resource
+
 import numpy as np
 
 from core.bound import Bound, pipeline_bound
 from core.driver import System, in_flight
 
 # Keys whose values depend on the machine, not on the scenario and seed.
-WALL_CLOCK_KEYS = frozenset({"sim/wall_s"})
+WALL_CLOCK_KEYS = frozenset({"sim/wall_s", "mem/peak_rss_mb"})
 
 
 def _mean(xs: list[float]) -> float:
@@ -118,6 +120,9 @@ def collect(system: System, bound: Bound | None = None, gpu: dict | None = None)
     else:
         m["sim/duration_s"] = end
         m["sim/wall_s"] = system.wall_s
+    # The process's high-water mark so far (Linux: KiB), not this run's alone: what a load
+    # run must show stays flat.
+    m["mem/peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     for reason, n in sorted(led.dropped.items()):
         m[f"samples/dropped_{reason}"] = n
     for name, n in system.queue.counters().items():

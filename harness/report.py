@@ -39,6 +39,7 @@ SUMMARY_KEYS = (
     "bound/trained_samples_per_s",
     "bound/efficiency",
     "sim/wall_s",
+    "mem/peak_rss_mb",
     # real runtimes
     "run/wall_s",
     "learn/reward_mean",
