@@ -285,6 +285,68 @@ class RaySpec(_Frozen):
     """Timeout of each ray.wait of the driver, between which it reports progress."""
 
 
+class FaultSpec(_Frozen):
+    """One injected fault, at a time or after a trainer step (exactly one of the two).
+
+    ``kill`` ends a component's process: a rollout worker (engine), the queue, or the
+    trainer; ``slow`` makes a rollout worker ``factor`` times slower for ``duration_s``;
+    ``hang`` makes the worker's next ``call`` never answer, until its timeout gives up on it.
+    """
+
+    kind: Literal["kill", "slow", "hang"]
+    """What happens: kill, slow or hang."""
+    target: Literal["rollout_worker", "queue", "trainer"] = "rollout_worker"
+    """Which component: kill takes any; slow and hang act on a rollout worker."""
+    worker: int = Field(0, ge=0)
+    """Which rollout worker (engine index, from 0)."""
+    at_s: Optional[float] = Field(None, ge=0)
+    """When, in seconds from the start of the run (simulated seconds on the sim runtime)."""
+    at_step: Optional[int] = Field(None, ge=1)
+    """When: as soon as the trainer has finished this step."""
+    factor: float = Field(4.0, ge=1)
+    """slow: how many times longer every decode step and prefill takes."""
+    duration_s: float = Field(60.0, gt=0)
+    """slow: how long the slowdown lasts."""
+    call: Literal["generate", "update_weights", "abort_all"] = "generate"
+    """hang: the engine call that never answers."""
+
+
+class TimeoutsSpec(_Frozen):
+    """How long a caller waits on another component before it gives up on it. A call that
+    times out raises an error naming the component and the call, and the component is
+    restarted as if it had died."""
+
+    generate_s: float = Field(3600.0, gt=0)
+    """One engine's generation of one group (the long tail of a 28K-token response at a few
+    ms per step is minutes; an hour means it hangs)."""
+    control_s: float = Field(300.0, gt=0)
+    """Every other call between components: abort, weight loading, queue and trainer control."""
+    restart_s: float = Field(900.0, gt=0)
+    """How long a restarted worker may take to be back (vLLM start-up of a large model)."""
+
+
+class RecoverySpec(_Frozen):
+    """What a restart costs and how many a component gets."""
+
+    max_restarts: int = Field(3, ge=0)
+    """Restarts each worker, the queue and the trainer get (Ray max_restarts); one more death fails the run."""
+    engine_restart_s: float = Field(60.0, ge=0)
+    """Sim: seconds a killed rollout worker takes to be back (process and engine start-up, weights load; assumed)."""
+    trainer_restart_s: float = Field(120.0, ge=0)
+    """Sim: seconds a killed trainer takes to be back and load its checkpoint (assumed)."""
+    queue_restart_s: float = Field(5.0, ge=0)
+    """Sim: seconds a killed queue takes to be back and replay its journal (assumed)."""
+
+
+class CheckpointSpec(_Frozen):
+    """Checkpoints of the whole run, taken at a weight sync, while rollout is paused."""
+
+    every: int = Field(0, ge=0)
+    """Checkpoint every this many versions; 0 turns checkpoints off (a trainer kill needs them)."""
+    keep: int = Field(2, ge=1)
+    """Checkpoints kept per mode; older ones are deleted once a newer one is complete."""
+
+
 class ReportSpec(_Frozen):
     """What a run writes besides report.json."""
 
@@ -341,6 +403,14 @@ class Scenario(_Frozen):
     """Held-out evaluation (real runtimes)."""
     ray: RaySpec = RaySpec()
     """The ray runtime."""
+    faults: tuple[FaultSpec, ...] = ()
+    """Faults to inject (sim and ray runtimes)."""
+    timeouts: TimeoutsSpec = TimeoutsSpec()
+    """How long calls between components may take."""
+    recovery: RecoverySpec = RecoverySpec()
+    """Restarts of failed components."""
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    """Checkpoints of the run, for restarts and ``--resume``."""
 
     @model_validator(mode="after")
     def _consistent(self) -> "Scenario":
@@ -403,7 +473,42 @@ class Scenario(_Frozen):
                 "replay.capacity_groups", rp.capacity_groups, f"cannot hold one trainer batch of {bs // n} groups",
                 f"use at least trainer.batch_size / workload.group_size = {bs // n}",
             )
+        self._check_faults()
         return self
+
+    def _check_faults(self) -> None:
+        from core.placement import Placement  # placement reads this module
+
+        if self.checkpoint.every and self.replay.enabled:
+            raise ConfigError(
+                "checkpoint.every", self.checkpoint.every, "the replay ring is not checkpointed",
+                "set checkpoint.every: 0, or replay.enabled: false",
+            )
+        if self.faults and self.runtime == "local":
+            raise ConfigError("faults", "[...]", "faults are injected on the sim and ray runtimes", "set runtime: sim or ray, or remove faults")
+        if self.faults and self.replay.enabled:
+            raise ConfigError("faults", "[...]", "recovery needs checkpoints, and the replay ring is not checkpointed", "set replay.enabled: false")
+        engines = min(Placement.of(self, m).engines for m in self.modes)
+        for i, f in enumerate(self.faults):
+            key = f"faults.{i}"
+            if (f.at_s is None) == (f.at_step is None):
+                raise ConfigError(key, f.model_dump(exclude_defaults=True), "needs exactly one of at_s and at_step", f"add {key}.at_s or {key}.at_step")
+            if f.at_step is not None and f.at_step >= self.trainer.steps:
+                raise ConfigError(f"{key}.at_step", f.at_step, f"the run ends at trainer.steps = {self.trainer.steps}", f"use at most {self.trainer.steps - 1}")
+            if f.kind != "kill" and f.target != "rollout_worker":
+                raise ConfigError(f"{key}.target", f.target, f"a {f.kind} fault acts on a rollout worker", "set target: rollout_worker")
+            if f.target == "rollout_worker" and f.worker >= engines:
+                raise ConfigError(f"{key}.worker", f.worker, f"there are {engines} rollout workers in the smallest mode", f"use 0 to {engines - 1}")
+            if f.kind == "kill" and f.target == "trainer" and not self.checkpoint.every:
+                raise ConfigError(
+                    "checkpoint.every", 0, f"{key} kills the trainer, which restarts from its last checkpoint",
+                    "set checkpoint.every: 1 (a checkpoint at every weight sync)",
+                )
+            if f.kind == "kill" and f.target == "queue" and self.runtime == "ray":
+                raise ConfigError(
+                    f"{key}.target", "queue", "on the ray runtime the queue lives in the rollout actor and is not killed alone",
+                    "kill a rollout_worker or the trainer there, or run the queue kill on runtime sim",
+                )
 
     @property
     def groups_per_step(self) -> int:

@@ -16,8 +16,10 @@ Modes:
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
@@ -26,9 +28,11 @@ from core import virtual_clock
 from core.config import Scenario
 from core.costs import DecodeCost, TrainCost, TransferCost
 from core.engine_sim import SimEngine
+from core.faults import FaultInjector, FaultLog, FaultPlan, RestartsExhausted, SupervisedEngine
 from core.ledger import Ledger
 from core.param_sync import ParamSync, SimWeightTransfer, WeightTransfer
 from core.placement import Placement, effective_staleness
+from core.queue_journal import QueueJournal
 from core.replay_stage import ReplayStage, staleness_bound
 from core.rollouter import Engine, PromptSource, RewardFn, Rollouter
 from core.sample import Group
@@ -59,6 +63,11 @@ class System:
     end_s: float = 0.0
     wall_s: float = 0.0
     evaluations: list = field(default_factory=list)  # held-out scores per version (real runtimes)
+    faults: FaultLog = field(default_factory=FaultLog)
+    plan: FaultPlan = field(default_factory=lambda: FaultPlan((), set()))
+    run_dir: Optional[Path] = None  # checkpoints and the queue's journal
+    trainer_task: Optional[asyncio.Task] = None
+    trainer_killed: bool = False
 
 
 @dataclass
@@ -83,6 +92,8 @@ def sim_workers(sc: Scenario, mode: str, timeline: Timeline) -> Workers:
         SimEngine(f"engine{i:03d}", decode, workload, sc.rollout.max_num_seqs, timeline)
         for i in range(place.engines)
     ]
+    for e in engines:
+        e.restart_s = sc.recovery.engine_restart_s
     backend = SimTrainBackend(TrainCost(sc, place.trainer_gpus, mode in sc.trainer.recompute_logprobs))
     return Workers(engines, backend, SimWeightTransfer(TransferCost(sc, colocated=place.colocated)))
 
@@ -103,16 +114,32 @@ def trained_bound(sc: Scenario, mode: str) -> int:
     return staleness_bound(max_staleness, rp.capacity_groups, sc.fresh_groups_per_step, sc.trainer.sync_every)
 
 
+def durable(sc: Scenario) -> bool:
+    """Whether the queue keeps a journal and delivered groups until acknowledged: with
+    checkpoints, or when a fault kills the queue or the trainer."""
+    return bool(sc.checkpoint.every) or any(f.kind == "kill" and f.target != "rollout_worker" for f in sc.faults)
+
+
+def make_queue(sc: Scenario, mode: str, run_dir: Optional[Path]) -> AsyncStalenessQueue:
+    max_staleness, _ = effective_staleness(sc, mode)
+    journal = QueueJournal(Path(run_dir) / mode / "queue.journal") if durable(sc) and run_dir is not None else None
+    return AsyncStalenessQueue(capacity=queue_capacity(sc, mode), max_staleness=max_staleness, journal=journal)
+
+
 def connect_rollout(
-    sc: Scenario, mode: str, workers: Workers, ledger: Ledger, queue: AsyncStalenessQueue
+    sc: Scenario, mode: str, workers: Workers, ledger: Ledger, queue: AsyncStalenessQueue,
+    faults: Optional[FaultLog] = None,
 ) -> Rollouter:
-    """The producer side: the Rollouter admitting groups to the engines and feeding the queue."""
+    """The producer side: the Rollouter admitting groups to the engines (each behind its
+    timeouts) and feeding the queue."""
     place = Placement.of(sc, mode)
+    t, r = sc.timeouts, sc.recovery
+    engines = [SupervisedEngine(e, t.generate_s, t.control_s, t.restart_s, r.max_restarts) for e in workers.engines]
     max_staleness, lead = effective_staleness(sc, mode)
     n = sc.workload.group_size
     max_concurrency = sc.rollout.max_concurrency or max(n, place.engines * sc.rollout.max_num_seqs)
     return Rollouter(
-        engines=workers.engines,
+        engines=engines,
         queue=queue,
         ledger=ledger,
         group_size=n,
@@ -126,6 +153,8 @@ def connect_rollout(
         head_start=sc.warm_up_groups * n,
         prompts=workers.prompts,
         reward=workers.reward,
+        faults=faults,
+        stop_timeout_s=t.control_s,
     )
 
 
@@ -195,20 +224,31 @@ def connect_components(
     on_step: Optional[ProgressFn] = None,
     workers: Optional[Workers] = None,
     timeline: Optional[Timeline] = None,
+    run_dir: Optional[Path] = None,
 ) -> System:
     """Build one mode's system in one process (sim or local runtime). Must be called inside
-    the loop that will run it. ``workers`` defaults to the sim runtime's."""
+    the loop that will run it. ``workers`` defaults to the sim runtime's; ``run_dir`` holds
+    checkpoints and the queue's journal."""
     timeline = timeline or Timeline()
     workers = workers or sim_workers(sc, mode, timeline)
     ledger = Ledger(trained_bound(sc, mode), reuse=sc.replay.enabled)
-    max_staleness, _ = effective_staleness(sc, mode)
-    queue = AsyncStalenessQueue(capacity=queue_capacity(sc, mode), max_staleness=max_staleness)
-    rollouter = connect_rollout(sc, mode, workers, ledger, queue)
+    faults = FaultLog()
+    queue = make_queue(sc, mode, run_dir)
+    rollouter = connect_rollout(sc, mode, workers, ledger, queue, faults)
     trainer, param_sync, replay = connect_trainer(sc, mode, workers, ledger, queue, rollouter, timeline, on_step)
-    return System(
+    system = System(
         sc, mode, Placement.of(sc, mode), ledger, timeline, queue, workers.engines,
         rollouter, param_sync, trainer, workers.backend, replay,
+        faults=faults, plan=FaultPlan(sc.faults, set()), run_dir=run_dir,
     )
+    if run_dir is not None and sc.checkpoint.every:
+        from core.run_checkpoint import save_run
+
+        async def checkpoint(version: int, t0: float, t1: float) -> None:
+            save_run(system, version, t0, t1)
+
+        param_sync.checkpoint = checkpoint
+    return system
 
 
 async def end_rollout(rollouter: Rollouter, queue: AsyncStalenessQueue, ledger: Ledger) -> None:
@@ -225,25 +265,122 @@ def release_unused(trainer: Trainer, replay: Optional[ReplayStage], ledger: Ledg
     trainer.holding = []
 
 
-async def drive(system: System) -> System:
-    """Run until the trainer has done its steps; blocks on nothing but the component tasks."""
+class RunStopped(Exception):
+    """The run was stopped on purpose after a step (``stop_at_step``), as a crash would stop
+    it; its checkpoints are left for ``--resume``."""
+
+
+async def drive(system: System, resume: Optional[tuple[int, float, float]] = None, stop_at_step: Optional[int] = None) -> System:
+    """Run until the trainer has done its steps; blocks on nothing but the component tasks.
+    ``resume``: the sync a restored checkpoint was taken in, finished first."""
     loop = asyncio.get_running_loop()
+    injector = FaultInjector(system.plan, system.faults, lambda f, rec: strike(system, f, rec))
+    _watch_steps(system, injector, stop_at_step)
+    if resume is None and system.trainer.step == 0 and system.param_sync.checkpoint is not None:
+        from core.run_checkpoint import save_run
+
+        save_run(system, 0, 0.0, 0.0, at_start=True)
+    injector.arm()
     rollout = asyncio.create_task(system.rollouter.run(), name="rollouter")
-    train = asyncio.create_task(system.trainer.run(), name="trainer")
-    done, _ = await asyncio.wait({rollout, train}, return_when=asyncio.FIRST_COMPLETED)
-    if rollout in done and train not in done:
-        train.cancel()
-        await asyncio.gather(train, return_exceptions=True)
-        rollout.result()
-        raise RuntimeError("the rollouter stopped before the trainer finished")
-    train.result()
+    train = asyncio.create_task(_supervise_trainer(system, resume), name="trainer-supervisor")
+    try:
+        done, _ = await asyncio.wait({rollout, train}, return_when=asyncio.FIRST_COMPLETED)
+        if rollout in done and train not in done:
+            train.cancel()
+            await asyncio.gather(train, return_exceptions=True)
+            rollout.result()
+            raise RuntimeError("the rollouter stopped before the trainer finished")
+        train.result()
+    finally:
+        injector.disarm()
+        if not rollout.done() and not train.done():
+            rollout.cancel()
     system.end_s = loop.time()
+    system.queue.ack()  # the run is over: what was trained stays trained
     await end_rollout(system.rollouter, system.queue, system.ledger)
     await rollout  # a rollouter that failed after the trainer finished still fails the run
     release_unused(system.trainer, system.replay, system.ledger)
     for e in system.engines:
         await e.close(system.end_s)
+    if system.queue.journal is not None:
+        system.queue.journal.close()
     return system
+
+
+def _watch_steps(system: System, injector: FaultInjector, stop_at_step: Optional[int]) -> None:
+    """Faults due after a step fire from the trainer's step callback; so does a planned stop."""
+    user = system.trainer.on_step
+
+    def on_step(step: int, now: float, trainings: int) -> None:
+        if user is not None:
+            user(step, now, trainings)
+        injector.on_step(step)
+        if stop_at_step is not None and step >= stop_at_step:
+            raise RunStopped(f"stopped after step {step}")
+
+    system.trainer.on_step = on_step
+
+
+async def _supervise_trainer(system: System, resume: Optional[tuple[int, float, float]]) -> None:
+    """Run the trainer; if a fault kills it, restart it from its last checkpoint."""
+    from core.run_checkpoint import restore_trainer
+
+    sc, trainer, ps = system.scenario, system.trainer, system.param_sync
+    before = (lambda: ps.finish(*resume)) if resume is not None else None
+    restarts = 0
+    while True:
+        system.trainer_task = asyncio.create_task(trainer.run(before), name="trainer")
+        try:
+            await system.trainer_task
+            return
+        except asyncio.CancelledError:
+            if not system.trainer_killed:
+                raise
+        # The trainer's process died: a new one starts, loads the checkpoint, and syncs the
+        # engines to its version before it trains again.
+        system.trainer_killed = False
+        restarts += 1
+        if restarts > sc.recovery.max_restarts:
+            raise RestartsExhausted(f"trainer: killed {restarts} times, more than recovery.max_restarts = {sc.recovery.max_restarts}")
+        await asyncio.sleep(sc.recovery.trainer_restart_s)
+        restore_trainer(system)
+
+        async def resync() -> None:
+            await ps.sync(trainer.version, checkpoint=False)
+            system.faults.recovered("trainer", asyncio.get_running_loop().time())
+
+        before = resync
+
+
+def strike(system: System, fault, record) -> None:
+    """What each fault does on the sim runtime."""
+    sc, loop = system.scenario, asyncio.get_running_loop()
+    if fault.target == "trainer":
+        system.trainer_killed = True
+        system.trainer_task.cancel()
+    elif fault.target == "queue":
+        system.queue.crash()
+
+        def back() -> None:
+            evicted = system.queue.recover()
+            system.rollouter.dropped_from_queue(evicted, "stale")
+            system.faults.recovered("queue", loop.time())
+
+        loop.call_later(sc.recovery.queue_restart_s, back)
+    else:
+        engine = system.engines[fault.worker]
+        if fault.kind == "kill":
+            engine.crash(sc.recovery.engine_restart_s)
+        elif fault.kind == "slow":
+            engine.set_slowdown(fault.factor)
+
+            def end() -> None:
+                engine.set_slowdown(1.0)
+                system.faults.recovered(record.target, loop.time())
+
+            loop.call_later(fault.duration_s, end)
+        else:
+            engine.hang_next = fault.call
 
 
 def in_flight(system: System) -> int:
@@ -256,23 +393,45 @@ def in_flight(system: System) -> int:
     )
 
 
-def run_mode(sc: Scenario, mode: str, on_step: Optional[ProgressFn] = None, on_processes=None) -> System:
+def run_mode(
+    sc: Scenario,
+    mode: str,
+    on_step: Optional[ProgressFn] = None,
+    on_processes=None,
+    run_dir: Optional[Path] = None,
+    resume: bool = False,
+    stop_at_step: Optional[int] = None,
+) -> System:
     """Run one mode on the scenario's runtime. ``on_processes([(name, pid)])`` is told the
-    processes that do the work once they exist (for a profiler)."""
+    processes that do the work once they exist (for a profiler). ``run_dir`` keeps the
+    checkpoints (a temporary directory when None); ``resume`` starts from the latest one."""
     if sc.runtime == "local":
         from core.workers import run_local
 
-        return run_local(sc, mode, on_step, on_processes)
+        return run_local(sc, mode, on_step, on_processes, run_dir=run_dir, resume=resume, stop_at_step=stop_at_step)
     if sc.runtime == "ray":
         from core.ray_runtime import run_ray
 
-        return run_ray(sc, mode, on_step, on_processes)
+        return run_ray(sc, mode, on_step, on_processes, run_dir=run_dir)
 
-    async def main() -> System:
-        return await drive(connect_components(sc, mode, on_step))
+    with tempfile.TemporaryDirectory(prefix="asyncrl-run-") as tmp:
+        where = Path(run_dir) if run_dir is not None else Path(tmp)
 
-    t0 = time.perf_counter()
-    system = virtual_clock.run(main())
-    system.wall_s = time.perf_counter() - t0
-    return system
+        async def main() -> System:
+            system = connect_components(sc, mode, on_step, run_dir=where)
+            return await drive(system, resume_point(system) if resume else None, stop_at_step)
 
+        t0 = time.perf_counter()
+        system = virtual_clock.run(main())
+        system.wall_s = time.perf_counter() - t0
+        return system
+
+
+def resume_point(system: System) -> Optional[tuple[int, float, float]]:
+    """Restore ``system`` from its run directory's latest checkpoint; the sync to finish."""
+    from core.run_checkpoint import load_run, restore
+
+    found = load_run(system.run_dir, system.scenario, system.mode)
+    if found is None:
+        return None
+    return restore(system, *found)

@@ -17,6 +17,7 @@ from collections import deque
 from typing import Optional
 
 from core.costs import DecodeCost
+from core.faults import WorkerLost
 from core.sample import Group, Sample
 from core.timeline import GENERATE, Timeline
 from core.workload import Workload
@@ -25,12 +26,16 @@ _EPS = 1e-9
 
 
 class _Waiter:
-    __slots__ = ("future", "pending", "aborted")
+    """One generate call. Its tokens reach the samples only when the call returns: a worker
+    that dies mid-call takes the group's whole generation with it, as a real process does."""
+
+    __slots__ = ("future", "pending", "aborted", "emits")
 
     def __init__(self, future: asyncio.Future, pending: int) -> None:
         self.future = future
         self.pending = pending
         self.aborted = False
+        self.emits: list[tuple[Sample, int, int, bool, float]] = []  # (sample, tokens, version, finished, at)
 
 
 class _Request:
@@ -78,6 +83,12 @@ class SimEngine:
         self._busy_since: Optional[float] = None
         self._timer: Optional[asyncio.TimerHandle] = None
         self._timer_key = 0.0
+        # faults (core/faults.py): a slowdown factor, a call that will hang, death until a time
+        self.slowdown = 1.0
+        self.hang_next: Optional[str] = None
+        self.down_until: Optional[float] = None
+        self.restart_s = 0.0  # how long a crashed worker takes to come back
+        self._hung: list[asyncio.Future] = []
 
     # -- protocol ---------------------------------------------------------------------------
     async def generate(self, group: Group, max_response_len: int) -> bool:
@@ -85,6 +96,7 @@ class SimEngine:
 
         Tokens are appended to the samples in place, tagged with this engine's version.
         """
+        await self._enter("generate")
         todo = group.unfinished()
         if not todo:
             return True
@@ -95,11 +107,12 @@ class SimEngine:
         for s in todo:
             want = min(int(lengths[s.index]), max_response_len) - s.n_response
             if want <= 0:  # cut at the budget earlier, or resumed at the cap
-                s.finished = True
+                waiter.emits.append((s, 0, self.version, True, s.finished_at))
                 waiter.pending -= 1
                 continue
             reqs.append(_Request(s, waiter, want, s.n_prompt + s.n_response))
         if not reqs:
+            _apply(waiter.emits)
             return True
         self._advance(loop.time())
         self._waiting.extend(reqs)
@@ -109,16 +122,21 @@ class SimEngine:
 
     async def abort_all(self) -> int:
         """Interrupt every request; partial tokens stay on their samples. Returns how many."""
+        await self._enter("abort_all")
+        return self._stop_all(aborted=True)
+
+    def _stop_all(self, aborted: bool) -> int:
+        """End every request: aborted (tokens kept) or lost with a dead worker (tokens gone)."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         self._advance(now)
         n = len(self._heap) + len(self._waiting)
         for _, _, req in self._heap:
             done = min(req.steps, int(math.floor(self._S - req.join + _EPS)))
-            self._emit(req.sample, done)
-            self._release(req.waiter, aborted=True)
+            self._emit(req, done)
+            self._release(req.waiter, aborted=aborted, lost=not aborted)
         for req in self._waiting:
-            self._release(req.waiter, aborted=True)
+            self._release(req.waiter, aborted=aborted, lost=not aborted)
         self._heap.clear()
         self._waiting.clear()
         self._C = 0.0
@@ -130,24 +148,65 @@ class SimEngine:
         return n
 
     async def update_weights(self, version: int, weights=None) -> None:
+        await self._enter("update_weights")
         if self._heap or self._waiting:
             raise RuntimeError(f"{self.name}: update_weights with requests in flight; pause the rollout first")
         self.version = version
 
     async def clear_cache(self) -> None:
         """KV blocks of finished and aborted requests are already free in this model."""
+        await self._enter("clear_cache")
+
+    # -- faults -----------------------------------------------------------------------------
+    async def _enter(self, call: str) -> None:
+        """A dead worker answers nothing; a hung call never returns."""
+        if self.down_until is not None:
+            raise WorkerLost(self.name, call, "the worker is dead")
+        if self.hang_next == call:
+            self.hang_next = None
+            fut = asyncio.get_running_loop().create_future()
+            self._hung.append(fut)
+            await fut  # until a crash fails it, or the caller's timeout cancels it
+
+    def crash(self, restart_s: float) -> int:
+        """The worker's process dies: every request fails and its tokens are lost; it is back
+        ``restart_s`` later. Returns the requests lost."""
+        now = asyncio.get_running_loop().time()
+        n = self._stop_all(aborted=False)
+        for fut in self._hung:
+            if not fut.done():
+                fut.set_exception(WorkerLost(self.name, "call", "the worker died"))
+        self._hung.clear()
+        self.hang_next = None
+        self.down_until = now + restart_s
+        return n
+
+    async def recover(self) -> None:
+        """Kill a hung worker, then wait out its restart (its weights are the caller's to load)."""
+        if self.down_until is None:
+            self.crash(self.restart_s)
+        await asyncio.sleep(max(0.0, self.down_until - asyncio.get_running_loop().time()))
+        self.down_until = None
+        self.version = -1  # nothing loaded yet
+
+    def set_slowdown(self, factor: float) -> None:
+        """Every step and prefill from now on takes ``factor`` times as long."""
+        loop = asyncio.get_running_loop()
+        self._advance(loop.time())
+        self.slowdown = factor
+        self._reschedule(loop)
 
     # -- event model ------------------------------------------------------------------------
     def _steps_in(self, dt: float) -> float:
         """Decode steps completed in ``dt`` seconds from the anchor."""
         b = len(self._heap)
-        tau0 = self.cost.step_s(b, self._C)
-        a = 0.5 * self.cost.kv_s_per_token * b
+        tau0 = self.cost.step_s(b, self._C) * self.slowdown
+        a = 0.5 * self.cost.kv_s_per_token * b * self.slowdown
         return 2.0 * dt / (tau0 + math.sqrt(tau0 * tau0 + 4.0 * a * dt))
 
     def _time_for(self, x: float) -> float:
         b = len(self._heap)
-        return self.cost.step_s(b, self._C) * x + 0.5 * self.cost.kv_s_per_token * b * x * x
+        return (self.cost.step_s(b, self._C) * x + 0.5 * self.cost.kv_s_per_token * b * x * x) * self.slowdown
 
     def _advance(self, now: float, to_steps: Optional[float] = None) -> None:
         """Move the anchor to ``now`` (or exactly to step ``to_steps``, reached at ``now``)."""
@@ -175,7 +234,7 @@ class SimEngine:
             # The group's prompt is prefilled once (prefix caching); resumed tokens are recomputed.
             start = s.n_prompt if s.prompt_id in prompt_done else 0
             prompt_done.add(s.prompt_id)
-            stall += cost.prefill_s(start, req.ctx)
+            stall += cost.prefill_s(start, req.ctx) * self.slowdown
             self.prefill_tokens += req.ctx - start
             req.join = self._S
             if s.started_at != s.started_at:  # NaN: first time in a batch
@@ -208,9 +267,7 @@ class SimEngine:
         while heap and heap[0][0] <= self._S + _EPS:
             _, _, req = heapq.heappop(heap)
             self._C -= req.ctx + req.steps
-            self._emit(req.sample, req.steps)
-            req.sample.finished = True
-            req.sample.finished_at = now
+            self._emit(req, req.steps, finished_at=now)
             self._release(req.waiter, aborted=False)
         if not heap:
             self._C = 0.0
@@ -219,15 +276,20 @@ class SimEngine:
             self._idle(now)
         self._reschedule(loop)
 
-    def _emit(self, sample: Sample, n: int) -> None:
-        if n > 0:
-            sample.add_tokens(n, self.version)
-            self.tokens_generated += n
+    def _emit(self, req: _Request, n: int, finished_at: Optional[float] = None) -> None:
+        self.tokens_generated += max(n, 0)
+        done = finished_at is not None
+        req.waiter.emits.append((req.sample, n, self.version, done, finished_at if done else req.sample.finished_at))
 
-    def _release(self, waiter: _Waiter, aborted: bool) -> None:
+    def _release(self, waiter: _Waiter, aborted: bool, lost: bool = False) -> None:
         waiter.aborted |= aborted
         waiter.pending -= 1
-        if waiter.pending == 0 and not waiter.future.done():
+        if waiter.future.done():
+            return
+        if lost:
+            waiter.future.set_exception(WorkerLost(self.name, "generate", "the worker died mid-generation"))
+        elif waiter.pending == 0:
+            _apply(waiter.emits)
             waiter.future.set_result(not waiter.aborted)
 
     def _idle(self, now: float) -> None:
@@ -237,7 +299,31 @@ class SimEngine:
                 self.timeline.add(self.name, GENERATE, self._busy_since, now)
             self._busy_since = None
 
+    def state(self) -> dict:
+        """What a checkpoint keeps of an idle engine (taken while rollout is paused)."""
+        if self._heap or self._waiting or self._busy_since is not None:
+            raise RuntimeError(f"{self.name}: state of a busy engine; pause the rollout first")
+        return {
+            "version": self.version, "tokens_generated": self.tokens_generated, "prefill_tokens": self.prefill_tokens,
+            "busy_s": self.busy_s, "seq_s": self.seq_s, "S": self._S, "t": self._t, "C": self._C, "seq": self._seq,
+            "slowdown": self.slowdown, "hang_next": self.hang_next, "down_until": self.down_until,
+        }
+
+    def restore(self, st: dict) -> None:
+        self.version, self.tokens_generated, self.prefill_tokens = st["version"], st["tokens_generated"], st["prefill_tokens"]
+        self.busy_s, self.seq_s, self._S, self._t, self._C, self._seq = st["busy_s"], st["seq_s"], st["S"], st["t"], st["C"], st["seq"]
+        self.slowdown, self.hang_next, self.down_until = st["slowdown"], st["hang_next"], st["down_until"]
+
     async def close(self, now: float) -> None:
         """Close the open busy span at the end of a run."""
         self._advance(now)
         self._idle(now)
+
+
+def _apply(emits: list[tuple[Sample, int, int, bool, float]]) -> None:
+    """Hand a returning call's tokens to its samples, in the order they were generated."""
+    for sample, n, version, done, finished_at in emits:
+        sample.add_tokens(n, version)
+        if done:
+            sample.finished = True
+            sample.finished_at = finished_at

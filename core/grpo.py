@@ -172,6 +172,30 @@ class TorchTrainBackend:
                     raise ValueError(f"{n}: shape {tuple(w.shape)}, model has {tuple(p.shape)}")
                 p.copy_(torch.from_numpy(np.asarray(w, dtype=np.float32)))
 
+    def tensors(self) -> dict[str, dict[str, np.ndarray]]:
+        """What a checkpoint keeps of the trainer: weights and Adam's moments, by parameter name."""
+        with self._lock, torch.no_grad():
+            opt = {}
+            for n, p in self.model.named_parameters():
+                st = self.opt.state.get(p)
+                if st:
+                    for k, v in st.items():
+                        opt[f"{n}::{k}"] = v.detach().to("cpu").numpy().copy()
+        return {"weights": self.weights(), "optimizer": opt}
+
+    def load_tensors(self, tensors: dict[str, dict[str, np.ndarray]]) -> None:
+        """Back to a checkpoint: weights and optimizer state as ``tensors`` wrote them."""
+        self.load_weights(tensors["weights"])
+        with self._lock, torch.no_grad():
+            params = dict(self.model.named_parameters())
+            self.opt.state.clear()
+            for key, v in tensors["optimizer"].items():
+                name, _, k = key.partition("::")
+                if name not in params:
+                    raise KeyError(f"optimizer state for unknown parameter {name!r}")
+                p = params[name]
+                self.opt.state[p][k] = torch.from_numpy(np.array(v)).to(p.device if v.ndim else "cpu")
+
     # ---- the math -----------------------------------------------------------------------
 
     def _logprobs(self, batch: _Batch) -> torch.Tensor:

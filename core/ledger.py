@@ -7,6 +7,7 @@ up as ``lost`` instead of vanishing.
 
 from __future__ import annotations
 
+import base64
 from collections import Counter
 
 from core.sample import Group
@@ -25,6 +26,7 @@ class Ledger:
         self.max_staleness = max_staleness
         self.reuse = reuse
         self.produced = 0
+        self.requeued = 0  # samples sent to generate again after their worker died
         self.trained = 0
         self.trainings = 0
         self.dropped: Counter[str] = Counter()
@@ -50,6 +52,9 @@ class Ledger:
 
     def admitted(self, group: Group) -> None:
         self.produced += group.size
+
+    def requeue(self, group: Group) -> None:
+        self.requeued += group.size
 
     def dropped_groups(self, groups: list[Group], reason: str) -> None:
         for g in groups:
@@ -128,6 +133,40 @@ class Ledger:
             else:
                 setattr(self, name, mine + theirs)
         self.step_ends.sort()
+
+    # The trainer's side of the ledger: what a trainer restored from a checkpoint goes back to.
+    TRAINED_FIELDS = (
+        "trained", "trainings", "_trained_mask", "trained_log", "group_sizes", "e2e_s", "staleness_sum",
+        "staleness_max", "token_staleness_sum", "response_tokens", "prompt_tokens", "reward_sum", "rewarded",
+        "interrupted", "interrupts", "resumes", "max_response", "step_ends",
+    )
+
+    def state(self) -> dict:
+        """Every count, JSON-ready (for a checkpoint)."""
+        out = {}
+        for name, v in vars(self).items():
+            if name == "_trained_mask":
+                v = base64.b64encode(bytes(v)).decode()
+            elif isinstance(v, Counter):
+                v = dict(v)
+            elif isinstance(v, list):
+                v = [list(x) if isinstance(x, tuple) else x for x in v]
+            out[name] = v
+        return out
+
+    def restore(self, state: dict, fields: tuple[str, ...] | None = None) -> None:
+        """Take the counts of ``state`` (all of them, or only ``fields``)."""
+        for name in fields or tuple(vars(self)):
+            v = state[name]
+            if name == "_trained_mask":
+                v = bytearray(base64.b64decode(v))
+            elif name == "dropped":
+                v = Counter(v)
+            elif name == "trained_log":
+                v = [tuple(x) for x in v]
+            elif name == "step_ends":
+                v = [tuple(x) for x in v]
+            setattr(self, name, v)
 
     def shift_times(self, dt: float) -> None:
         """Move this ledger's timestamps by ``dt`` (onto another process's clock)."""

@@ -7,7 +7,7 @@ report shows whether a sync costs bandwidth or waiting for the longest response.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Optional, Protocol
+from typing import Any, Awaitable, Callable, Optional, Protocol
 
 from core.rollouter import PauseMode, Rollouter
 from core.timeline import SYNC, Timeline
@@ -44,12 +44,22 @@ class ParamSync:
         self.pause_s: list[float] = []
         self.drain_s: list[float] = []
         self.transfer_s: list[float] = []
+        # Called while rollout is paused, before the weights leave: a checkpoint there holds
+        # no generation in flight, and weights never run ahead of the latest checkpoint.
+        self.checkpoint: Optional[Callable[[int, float, float], Awaitable[None]]] = None
 
-    async def sync(self, version: int) -> None:
+    async def sync(self, version: int, checkpoint: bool = True) -> None:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         await self.rollouter.pause(self.mode)
         t1 = loop.time()
+        if checkpoint and self.checkpoint is not None:
+            await self.checkpoint(version, t0, t1)
+        await self.finish(version, t0, t1)
+
+    async def finish(self, version: int, t0: float, t1: float) -> None:
+        """The rest of a sync once rollout is paused: move the weights, resume."""
+        loop = asyncio.get_running_loop()
         weights = await self.transfer.send(version)
         t2 = loop.time()
         await self.rollouter.update_weights(version, weights)

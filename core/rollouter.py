@@ -8,17 +8,20 @@ responses in a cancel queue that is served first after ``resume``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections import deque
 from typing import Any, Literal, Optional, Protocol
 
 import numpy as np
 
+from core.faults import FaultLog, RestartsExhausted, WorkerLost, worker_key
 from core.ledger import Ledger
 from core.sample import Group, Sample
 from core.staleness_queue import AsyncStalenessQueue
 
 PauseMode = Literal["wait", "abort"]
+log = logging.getLogger(__name__)
 
 
 class Engine(Protocol):
@@ -37,6 +40,9 @@ class Engine(Protocol):
         """Load ``weights`` (None: the engine models weights, nothing to load) as ``version``."""
 
     async def clear_cache(self) -> None: ...
+
+    async def recover(self) -> None:
+        """After a loss: kill what is left of the worker and wait until it is back."""
 
 
 class PromptSource(Protocol):
@@ -75,6 +81,8 @@ class Rollouter:
         head_start: int = 0,
         prompts: Optional[PromptSource] = None,
         reward: Optional[RewardFn] = None,
+        faults: Optional[FaultLog] = None,
+        stop_timeout_s: Optional[float] = None,
     ) -> None:
         self.engines = engines
         self.queue = queue
@@ -97,6 +105,14 @@ class Rollouter:
         self._holding = 0  # samples of the groups being generated, finished members included
         self.admitted = 0  # samples admitted and not dropped: what the staleness budget counts
         self.cancel_queue: deque[Group] = deque()
+        # Groups whose worker died under them: generated again from what this process holds.
+        self.retry_queue: deque[Group] = deque()
+        self.faults = faults or FaultLog()
+        self.stop_timeout_s = stop_timeout_s  # how long stop() waits on a generation that ignores abort
+        self._weights: Any = None  # the latest version's weights, for a worker back from a restart
+        self._down: set[int] = set()  # workers lost and not yet back
+        self._recovering: dict[int, asyncio.Task] = {}
+        self._failure: Optional[BaseException] = None
         self._next_prompt = 0
         self._active: set[asyncio.Task] = set()
         self._assigned = [0] * len(engines)  # samples routed to each engine and not yet back
@@ -111,6 +127,17 @@ class Rollouter:
         return min(limit, self.plan_samples) - self.admitted
 
     def _next_group(self) -> Optional[Group]:
+        while self.retry_queue:
+            g = self.retry_queue[0]
+            if not any(s.n_response for s in g.samples):
+                g.version = self.version  # nothing generated yet: it starts afresh on this version
+            elif self.version - g.version > self.max_staleness:
+                self.retry_queue.popleft()
+                self._drop([g], "stale_interrupted")
+                continue
+            if self.running + len(g.unfinished()) > self.max_concurrency:
+                return None
+            return self.retry_queue.popleft()
         while self.cancel_queue:
             g = self.cancel_queue[0]
             if self.version - g.version > self.max_staleness:
@@ -153,13 +180,16 @@ class Rollouter:
     # -- main loop ----------------------------------------------------------------------------
     async def run(self) -> None:
         while not self._stopped:
-            group = None if self._paused else self._next_group()
+            if self._failure is not None:
+                raise self._failure
+            up = [i for i in range(len(self.engines)) if i not in self._down]
+            group = None if self._paused or not up else self._next_group()
             if group is None:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             # Least-loaded routing on our own count: a task just created has not reached its engine yet.
-            i = min(range(len(self._assigned)), key=self._assigned.__getitem__)
+            i = min(up, key=self._assigned.__getitem__)
             k = len(group.unfinished())
             self._assigned[i] += k
             self.running += k
@@ -171,6 +201,20 @@ class Rollouter:
     async def _generate(self, group: Group, i: int, k: int) -> None:
         try:
             completed = await self.engines[i].generate(group, self.max_response_len)
+        except WorkerLost as exc:
+            # What it generated died with it; what this process holds is generated again.
+            self.retry_queue.append(group)
+            self.ledger.requeue(group)
+            self._lost(i, exc)
+            return
+        except asyncio.CancelledError:
+            # An engine that cancels its own stream on abort must not leak the cancellation:
+            # unless this task itself is being cancelled, the generation was interrupted.
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                self.retry_queue.append(group)  # still accounted for: stop() hands it back
+                raise
+            completed = False
         finally:
             self.running -= k
             self._assigned[i] -= k
@@ -190,6 +234,50 @@ class Rollouter:
                     s.interrupts += 1
             self.cancel_queue.append(group)
 
+    # -- lost workers -------------------------------------------------------------------------
+    def _lost(self, i: int, exc: BaseException) -> None:
+        """Worker ``i`` died or stopped answering: route around it until it is back."""
+        self._wake.set()
+        if i in self._down:
+            return
+        self._down.add(i)
+        log.warning("%s; restarting it", exc)
+        task = asyncio.create_task(self._recover(i), name=f"recover-{self.engines[i].name}")
+        self._recovering[i] = task
+
+    async def _recover(self, i: int) -> None:
+        e = self.engines[i]
+        try:
+            await e.recover()
+            while True:  # a sync may move the version while the worker loads
+                v = self.version
+                await e.update_weights(v, self._weights)
+                if v == self.version:
+                    break
+        except WorkerLost as exc:
+            self._recovering.pop(i, None)
+            self._down.discard(i)
+            self._lost(i, exc)  # lost again while coming back: another restart
+            return
+        except RestartsExhausted as exc:
+            self._failure = exc
+            self._wake.set()
+            return
+        self._recovering.pop(i, None)
+        self._down.discard(i)
+        self.faults.recovered(worker_key(i), asyncio.get_running_loop().time())
+        self._wake.set()
+
+    async def _each_up(self, call: str, *args: Any) -> None:
+        """``call`` on every live engine at once; one that is lost is restarted, not awaited."""
+        up = [i for i in range(len(self.engines)) if i not in self._down]
+        results = await asyncio.gather(*(getattr(self.engines[i], call)(*args) for i in up), return_exceptions=True)
+        for i, r in zip(up, results):
+            if isinstance(r, WorkerLost):
+                self._lost(i, r)
+            elif isinstance(r, BaseException):
+                raise r
+
     # -- control ------------------------------------------------------------------------------
     async def pause(self, mode: PauseMode) -> None:
         """Stop admitting; ``wait`` drains in-flight work, ``abort`` interrupts it."""
@@ -198,18 +286,24 @@ class Rollouter:
             await self._abort_all()
         if self._active:
             await asyncio.wait(list(self._active))
-        await asyncio.gather(*(e.clear_cache() for e in self.engines))
+        await self._each_up("clear_cache")
 
     async def _abort_all(self) -> None:
         # One engine after the other: a simulated engine aborts without suspending, so no
         # completion due at this instant slips in between (a remote one is one short RPC).
-        for e in self.engines:
-            await e.abort_all()
+        for i, e in enumerate(self.engines):
+            if i in self._down:
+                continue
+            try:
+                await e.abort_all()
+            except WorkerLost as exc:
+                self._lost(i, exc)
 
     async def update_weights(self, version: int, weights: Any = None) -> None:
-        """Every engine loads ``weights`` (concurrently), then the queue's version gate moves:
-        groups it evicts free their staleness budget."""
-        await asyncio.gather(*(e.update_weights(version, weights) for e in self.engines))
+        """Every live engine loads ``weights`` (concurrently; one being restarted loads them once
+        back), then the queue's version gate moves: groups it evicts free their staleness budget."""
+        self._weights = weights
+        await self._each_up("update_weights", version, weights)
         self.version = version
         self.dropped_from_queue(self.queue.set_version(version), "stale")
 
@@ -223,13 +317,21 @@ class Rollouter:
         self._paused = True
         await self._abort_all()
         if self._active:
-            await asyncio.wait(list(self._active))
+            _, hung = await asyncio.wait(list(self._active), timeout=self.stop_timeout_s)
+            for task in hung:
+                task.cancel()
+            await asyncio.gather(*hung, return_exceptions=True)
+        for task in list(self._recovering.values()):
+            task.cancel()
+        await asyncio.gather(*self._recovering.values(), return_exceptions=True)
+        self._recovering.clear()
         self._wake.set()
-        left = list(self.cancel_queue)
+        left = list(self.retry_queue) + list(self.cancel_queue)
+        self.retry_queue.clear()
         self.cancel_queue.clear()
         return left
 
     def in_flight(self) -> int:
-        """Samples held here: generating or interrupted."""
-        return self._holding + sum(g.size for g in self.cancel_queue)
+        """Samples held here: generating, interrupted, or waiting to be generated again."""
+        return self._holding + sum(g.size for g in self.cancel_queue) + sum(g.size for g in self.retry_queue)
 

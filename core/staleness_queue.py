@@ -8,9 +8,10 @@ space. Waits take a timeout and are cancellation-safe.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections import Counter, deque
 from typing import Any, Optional
 
+from core.queue_journal import QueueJournal
 from ext.squeue import StalenessQueue
 
 
@@ -21,7 +22,10 @@ class AsyncStalenessQueue:
     unless a caller (the benchmarks) compares them side by side.
     """
 
-    def __init__(self, capacity: int, max_staleness: int, impl: type = StalenessQueue) -> None:
+    def __init__(
+        self, capacity: int, max_staleness: int, impl: type = StalenessQueue, journal: Optional[QueueJournal] = None
+    ) -> None:
+        self._impl = impl
         self._q = impl(capacity, max_staleness)
         # put_nowait(item, version) -> bool: store now; False if already too stale (not
         # stored); QueueFull at capacity. The queue's own method: a waiting consumer is woken
@@ -29,9 +33,18 @@ class AsyncStalenessQueue:
         self.put_nowait = self._q.put
         self._getter: Optional[asyncio.Future] = None
         self._putters: deque[asyncio.Future] = deque()
+        # Durable queue (a journal): groups delivered stay here, unacknowledged, until the
+        # trainer's checkpoint covers them; a restarted trainer gets them again, first.
+        self.journal = journal
+        self._unacked: list = []
+        self._redeliver: deque = deque()
+        self._base: Counter = Counter()  # counts carried over from before a restore
+        self._down: Optional[asyncio.Event] = None  # set once a dead queue is back
+        if journal is not None:
+            self.put_nowait = self._put_journaled
 
     def __len__(self) -> int:
-        return len(self._q)
+        return len(self._q) + len(self._redeliver)
 
     @property
     def version(self) -> int:
@@ -42,11 +55,25 @@ class AsyncStalenessQueue:
         return self._q.capacity
 
     def counters(self) -> dict[str, int]:
-        return self._q.counters()
+        base = self._base
+        return {k: v + base.get(k, 0) for k, v in self._q.counters().items()} if base else self._q.counters()
+
+    def _counters_full(self) -> dict[str, int]:
+        c = self.counters()
+        return {k: c.get(k, 0) for k in ("put", "got", "evicted", "stale_on_put", "rejected_full")}
+
+    def _put_journaled(self, item: Any, version: int) -> bool:
+        stored = self._q.put(item, version)
+        if stored:
+            self.journal.put(item)
+        else:
+            self.journal.op("stale", (), self.version, self._counters_full())
+        return stored
 
     async def put(self, item: Any, version: int, timeout: Optional[float] = None) -> bool:
         """Wait for space, then store; False if the item was already too stale (not stored)."""
         loop = asyncio.get_running_loop()
+        await self._up()
         while len(self._q) >= self._q.capacity:
             fut = loop.create_future()
             self._putters.append(fut)
@@ -62,34 +89,132 @@ class AsyncStalenessQueue:
         return self.put_nowait(item, version)
 
     async def get_batch(self, n: int, timeout: Optional[float] = None) -> list:
-        """Wait until ``n`` items are queued, then pop them, oldest first."""
+        """Wait until ``n`` items are queued, then pop them, oldest first (groups to deliver
+        again before any other)."""
         if self._getter is not None:
             raise RuntimeError("AsyncStalenessQueue has one consumer; a second get_batch is already waiting")
-        while len(self._q) < n:
+        await self._up()
+        while len(self._redeliver) + len(self._q) < n:
+            q, k = self._q, n - len(self._redeliver)
             fut = asyncio.get_running_loop().create_future()
             self._getter = fut
-            self._q.notify_at(n, lambda: fut.done() or fut.set_result(None))
+            q.notify_at(k, lambda: fut.done() or fut.set_result(None))
             try:
                 await asyncio.wait_for(fut, timeout)
             finally:
                 self._getter = None
-                self._q.notify_at(n, None)
-        items = self._q.get_batch(n)
-        self._wake_putters()
+                q.notify_at(k, None)
+            await self._up()
+        first = min(n, len(self._redeliver))
+        items = [self._redeliver.popleft() for _ in range(first)]
+        if first < n:
+            items += self._q.get_batch(n - first)
+            self._wake_putters()
+        self._delivered(items)
         return items
+
+    def _delivered(self, items: list) -> None:
+        if self.journal is not None:
+            self._unacked.extend(items)
+            self.journal.op("got", items, self.version, self._counters_full())
 
     def set_version(self, version: int) -> list:
         """Bump the consumer version; returns the evicted items."""
         evicted = self._q.set_version(version)
         if evicted:
             self._wake_putters()
+        if self.journal is not None:
+            self.journal.op("removed", evicted, self.version, self._counters_full())
         return evicted
 
     def drain(self) -> list:
         """Pop everything (end of run)."""
-        items = self._q.get_batch(len(self._q))
+        items = list(self._redeliver) + self._q.get_batch(len(self._q))
+        self._redeliver.clear()
         self._wake_putters()
+        if self.journal is not None:
+            self.journal.op("removed", items, self.version, self._counters_full())
         return items
+
+    # -- durability ------------------------------------------------------------------------------
+    def ack(self) -> None:
+        """The trainer's checkpoint covers every group delivered so far: forget them, and
+        compact the journal to the contents."""
+        self._unacked.clear()
+        if self.journal is not None:
+            queued = self.contents()[len(self._redeliver):]
+            self.journal.rewrite(queued, list(self._redeliver), self.version, self._counters_full())
+
+    def redeliver(self) -> int:
+        """A restarted trainer lost what it was given since its checkpoint: give it again, first."""
+        n = len(self._unacked)
+        self._redeliver.extendleft(reversed(self._unacked))
+        self._unacked.clear()
+        if self.journal is not None:
+            self.journal.op("redelivered", (), self.version, self._counters_full())
+        if n and self._getter is not None and not self._getter.done():
+            self._getter.set_result(None)
+        return n
+
+    def unacked(self) -> list:
+        return list(self._unacked)
+
+    def contents(self) -> list:
+        """The queued items, oldest first, left in place (groups to deliver again first)."""
+        items = self._q.get_batch(len(self._q))
+        self._q.put_many(items, [g.version for g in items])
+        self._base.update({"put": -len(items), "got": -len(items)})
+        return list(self._redeliver) + items
+
+    def is_down(self) -> bool:
+        return self._down is not None
+
+    def crash(self) -> None:
+        """The queue's process dies: everything in memory is gone until ``recover``."""
+        self._q = self._impl(self._q.capacity, self._q.max_staleness)
+        self.put_nowait = self._put_journaled
+        self._unacked, self._redeliver, self._base = [], deque(), Counter()
+        self._down = asyncio.Event()
+
+    def recover(self) -> list:
+        """Rebuild the contents from the journal; callers waiting on the queue go on. Returns
+        what the version gate evicts from them (the version may have moved while it was down)."""
+        st = self.journal.replay()
+        q = self._impl(self._q.capacity, self._q.max_staleness)
+        queued = list(st.queued.values())
+        if queued:
+            q.set_version(min(g.version for g in queued))
+        q.put_many(queued, [g.version for g in queued])
+        version = max(st.version, self._q.version)
+        evicted = q.set_version(version)
+        self._q = q
+        self._unacked = list(st.unacked.values())
+        self._redeliver = deque(st.redeliver)
+        self._base = Counter(st.counters)
+        self._base.subtract(q.counters())
+        self._base["evicted"] += len(evicted)
+        if evicted:
+            self.journal.op("removed", evicted, version, self._counters_full())
+        down, self._down = self._down, None
+        if down is not None:
+            down.set()
+        self._wake_putters()
+        if self._getter is not None and not self._getter.done() and len(self) > 0:
+            self._getter.set_result(None)
+        return evicted
+
+    def restore(self, version: int, queued: list, counters: dict) -> None:
+        """Take a checkpoint's contents (a resumed run)."""
+        self._q.set_version(version)
+        self._q.put_many(queued, [g.version for g in queued])
+        self._base = Counter(counters)
+        self._base.subtract(self._q.counters())
+        if self.journal is not None:
+            self.journal.rewrite(queued, [], version, self._counters_full())
+
+    async def _up(self) -> None:
+        while self._down is not None:
+            await self._down.wait()
 
     def _wake_putters(self) -> None:
         free = self._q.capacity - len(self._q)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Optional, Protocol
+from typing import Awaitable, Callable, Optional, Protocol
 
 from core.ledger import Ledger
 from core.param_sync import ParamSync
@@ -81,8 +81,11 @@ class Trainer:
         # What the backend said of each step, with when it ended and the trainings so far.
         self.step_info: list[dict] = []
 
-    async def run(self) -> None:
+    async def run(self, before: Optional[Callable[[], Awaitable[None]]] = None) -> None:
+        """Train until ``steps``; ``before`` runs first (a resumed trainer finishes its sync)."""
         loop = asyncio.get_running_loop()
+        if before is not None:
+            await before()
         while self.step < self.steps:
             if not self.holding:
                 steps_left = min(self.sync_every - self.step % self.sync_every, self.steps - self.step)

@@ -61,6 +61,13 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
     def time(self) -> float:
         return self._vselector.now
 
+    def set_time(self, t: float) -> None:
+        """Move the clock to ``t`` (a resumed run continues at its checkpoint's time). Only
+        with no timer pending."""
+        if self._scheduled:
+            raise RuntimeError("set_time with timers pending")
+        self._vselector.now = t
+
 
 def run(main: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run`` on a fresh virtual-clock loop."""

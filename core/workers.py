@@ -128,12 +128,17 @@ class RealClockLoop(asyncio.SelectorEventLoop):
         """Start the clock again at 0 (once set-up is done). Only call it with no timer pending."""
         self._t0 = time.monotonic()
 
+    def set_time(self, t: float) -> None:
+        """Go on from ``t`` (a resumed run continues at its checkpoint's time)."""
+        self._t0 = time.monotonic() - t
 
-def run_local(sc: Scenario, mode: str, on_step=None, on_processes=None) -> "System":
-    """Run one mode in this process on the real clock, with real engines and trainer."""
+
+def run_local(sc: Scenario, mode: str, on_step=None, on_processes=None, run_dir=None, resume=False, stop_at_step=None) -> "System":
+    """Run one mode in this process on the real clock, with real engines and trainer.
+    ``run_dir`` keeps checkpoints; ``resume`` starts from the latest one there."""
     import os
 
-    from core.driver import connect_components, drive
+    from core.driver import connect_components, drive, resume_point
     from core.evaluation import Evaluations
 
     async def main() -> "System":
@@ -143,12 +148,13 @@ def run_local(sc: Scenario, mode: str, on_step=None, on_processes=None) -> "Syst
         await asyncio.gather(*(e.start() for e in workers.engines))
         if on_processes is not None:
             on_processes([("driver", os.getpid())])
-        system = connect_components(sc, mode, on_step, workers, timeline)
+        system = connect_components(sc, mode, on_step, workers, timeline, run_dir=run_dir)
         evals = Evaluations(sc)
         loop.zero()
+        point = resume_point(system) if resume else None
         watch = loop.create_task(_watch_versions(system, workers.transfer, evals))
         try:
-            await drive(system)
+            await drive(system, point, stop_at_step)
         finally:
             watch.cancel()
         await evals.finish_local()
