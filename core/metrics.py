@@ -123,6 +123,8 @@ def collect(system: System, bound: Bound | None = None, gpu: dict | None = None)
     # The process's high-water mark so far (Linux: KiB), not this run's alone: what a load
     # run must show stays flat.
     m["mem/peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    m["samples/requeued"] = led.requeued
+    m.update(system.faults.metrics())
     for reason, n in sorted(led.dropped.items()):
         m[f"samples/dropped_{reason}"] = n
     for name, n in system.queue.counters().items():
@@ -175,4 +177,6 @@ def series(system: System) -> dict[str, list]:
         out["learn_loss"] = [i.get("loss") for i in info]
     if system.evaluations:
         out["eval"] = list(system.evaluations)
+    if system.faults.records:
+        out["faults"] = system.faults.state()
     return out

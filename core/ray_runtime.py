@@ -437,6 +437,7 @@ def run_ray(
     mode: str,
     on_step: Optional[ProgressFn] = None,
     on_processes: Optional[ProcessesFn] = None,
+    run_dir=None,
 ) -> System:
     """Run one mode with every component in its own Ray actor; the driver only watches."""
     ray = _ray()

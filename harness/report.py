@@ -36,6 +36,10 @@ SUMMARY_KEYS = (
     "staleness/bound",
     "partial/ratio",
     "samples/lost",
+    "samples/requeued",
+    "faults/injected",
+    "faults/recovered",
+    "faults/recovery_mean_s",
     "bound/trained_samples_per_s",
     "bound/efficiency",
     "sim/wall_s",
@@ -118,8 +122,16 @@ def summary(sc: Scenario, reports: dict[str, dict]) -> dict:
     return {"schema": SUMMARY_SCHEMA, "scenario_name": sc.name, "seed": sc.seed, "modes": modes}
 
 
+def json_text(data: dict) -> str:
+    return json.dumps(data, indent=2, sort_keys=False) + "\n"
+
+
 def write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    path.write_text(json_text(data))
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
 
 
 def variants_summary(sc: Scenario, entries: dict[str, tuple[dict, dict]]) -> dict:

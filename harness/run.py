@@ -1,8 +1,12 @@
 """``python -m harness.run SCENARIO.yaml [--out DIR] [--set dotted.key=value ...]``
+``python -m harness.run --resume RUN_DIR``
 
 Validates the scenario before anything runs, runs every mode it lists on the same
 workload and seed, and writes ``DIR/<mode>/report.json``, ``DIR/<mode>/timeline.png``
-and ``DIR/summary.json``. Exit code 2 and one line on stderr for a bad scenario.
+and ``DIR/summary.json``. With checkpoints on (``checkpoint.every``), the run directory
+is written in place and a run that stopped resumes from its latest checkpoints with
+``--resume``. Exit code 2 and one line on stderr for bad input (scenario, --set, run
+directory, checkpoint), with nothing written.
 """
 
 from __future__ import annotations
@@ -19,19 +23,27 @@ from pathlib import Path
 from rich.console import Console
 from rich.logging import RichHandler
 
-from core.driver import run_mode
+from core.checkpoint import CheckpointError, write_atomic
+from core.driver import RunStopped, run_mode
+from core.run_checkpoint import load_run, scenario_digest
 from core.workers import apply_env
 from harness import report
 from harness.console import ModeProgress, comparison_table, published_table
 from harness.gpu_sampler import NvmlSampler
 from harness.plots import reward_png, timeline_png
 from harness.profiler import Profiler
-from harness.scenario import ScenarioError, load_variants
+from harness.scenario import ScenarioError, Variant, load_resolved, load_variants
+
+SCENARIO_FILE = "scenario.json"  # the resolved scenario of a run written in place (resumable)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m harness.run", description=__doc__.split("\n\n")[1])
-    p.add_argument("scenario", help="scenario YAML, e.g. scenarios/quickstart.yaml")
+    p.add_argument("scenario", nargs="?", help="scenario YAML, e.g. scenarios/quickstart.yaml")
+    p.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                   help="go on with a run that stopped, from its latest checkpoints (modes already done are kept)")
+    p.add_argument("--stop-at-step", type=int, metavar="N",
+                   help="stop each mode after trainer step N, as a crash would, leaving its checkpoints for --resume")
     p.add_argument("--out", type=Path, help="run directory (default: runs/<name>-<timestamp>)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any scenario key, e.g. --set trainer.steps=100 (repeatable)")
@@ -50,20 +62,32 @@ def main(argv: list[str] | None = None) -> int:
     err = Console(stderr=True)
     logging.basicConfig(level=logging.WARNING, handlers=[RichHandler(console=err, show_path=False)], format="%(message)s")
     try:
-        variants = load_variants(args.scenario, args.overrides)
-    except ScenarioError as exc:
+        if args.resume is not None:
+            variants, out, done = _resumable(args)
+        else:
+            if args.scenario is None:
+                raise ScenarioError("no scenario given; fix: pass a scenario YAML such as scenarios/quickstart.yaml, or --resume RUN_DIR")
+            variants, done = load_variants(args.scenario, args.overrides), {}
+            out = args.out or Path("runs") / f"{variants[0].scenario.name}-{datetime.now():%Y%m%d-%H%M%S}"
+            _check_new_run(variants, out, args)
+    except (ScenarioError, CheckpointError) as exc:
         err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         return 2
 
     first = variants[0].scenario
-    out = args.out or Path("runs") / f"{first.name}-{datetime.now():%Y%m%d-%H%M%S}"
-    if out.exists() and not (out / "summary.json").is_file():
-        # Only an earlier run directory is ever replaced; anything else is the user's.
-        err.print(f"[bold red]error:[/] --out {out}: exists and is not a run directory; fix: pass a new directory", highlight=False)
-        return 2
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Build the run directory aside and move it into place whole: no half-written runs.
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    in_place = args.resume is not None or _resumable_run(first, args)
+    if in_place:
+        # A run that may stop and resume is written where it stays, its resolved scenario first.
+        if args.resume is None:
+            if out.exists():
+                shutil.rmtree(out)
+            out.mkdir(parents=True)
+            write_atomic(out / SCENARIO_FILE, (report.json_text(first.model_dump(mode="json"))).encode())
+        staging = out
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # Build the run directory aside and move it into place whole: no half-written runs.
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         env = report.environment()
         summaries = {}
@@ -71,18 +95,26 @@ def main(argv: list[str] | None = None) -> int:
             where = staging / v.label if v.label else staging
             where.mkdir(exist_ok=True)
             summaries[v.label] = _run_variant(
-                v.scenario, v.label, where, env, console, plots=not args.no_plots, profile=args.profile
+                v.scenario, v.label, where, env, console, plots=not args.no_plots, profile=args.profile,
+                done=done, stop_at_step=args.stop_at_step,
             )
         if variants[0].label is None:
             summary = summaries[None]
         else:
             summary = report.variants_summary(first, {v.label: (summaries[v.label], v.published) for v in variants})
-        report.write_json(staging / "summary.json", summary)
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
+        if in_place:
+            write_atomic(staging / "summary.json", (report.json_text(summary)).encode())
+        else:
+            report.write_json(staging / "summary.json", summary)
+            if out.exists():
+                shutil.rmtree(out)
+            staging.rename(out)
+    except RunStopped as exc:
+        console.print(f"{exc}; its checkpoints are in {out}. Go on with: python -m harness.run --resume {out}", highlight=False)
+        return 0
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if not in_place:
+            shutil.rmtree(staging, ignore_errors=True)
         raise
     for v in variants:
         title = f"{v.scenario.name} {v.label}" if v.label else v.scenario.name
@@ -98,37 +130,105 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run_variant(sc, label, where: Path, env: dict, console: Console, plots: bool, profile: bool = False) -> dict:
+def _resumable_run(sc, args) -> bool:
+    return bool(sc.checkpoint.every) or args.stop_at_step is not None
+
+
+def _check_new_run(variants: list[Variant], out: Path, args) -> None:
+    sc = variants[0].scenario
+    if out.exists() and not (out / "summary.json").is_file():
+        # Only an earlier, finished run directory is ever replaced; anything else is the user's.
+        if (out / SCENARIO_FILE).is_file():
+            raise ScenarioError(f"--out {out}: holds a run that has not finished; fix: --resume {out}, or pass a new directory")
+        raise ScenarioError(f"--out {out}: exists and is not a run directory; fix: pass a new directory")
+    if _resumable_run(sc, args):
+        if len(variants) > 1 or variants[0].label is not None:
+            raise ScenarioError(f"{args.scenario}: a file of variants is not checkpointed; fix: run one variant's settings as its own scenario")
+        if sc.runtime == "ray":
+            raise ScenarioError(
+                "checkpoint.every: a ray run checkpoints its trainer, which restarts from it while the run goes on, "
+                "but is not resumed as a whole; fix: use runtime sim or local for --stop-at-step and --resume"
+            )
+        if not sc.checkpoint.every:
+            raise ScenarioError(f"--stop-at-step {args.stop_at_step}: the run keeps no checkpoints to resume from; fix: --set checkpoint.every=1")
+        if args.stop_at_step is not None and not 1 <= args.stop_at_step < sc.trainer.steps:
+            raise ScenarioError(f"--stop-at-step {args.stop_at_step}: must be between 1 and trainer.steps - 1 = {sc.trainer.steps - 1}; fix: pick a step in that range")
+
+
+def _resumable(args) -> tuple[list[Variant], Path, dict]:
+    """The run to resume, checked whole before anything runs: its scenario, the scenario file
+    (if given) against it, and every unfinished mode's latest checkpoint."""
+    run_dir = args.resume
+    if args.overrides:
+        raise ScenarioError(f"--set {args.overrides[0]}: a resumed run keeps the scenario it started with; fix: drop --set, or start a new run")
+    if args.out is not None and args.out != run_dir:
+        raise ScenarioError(f"--out {args.out}: a resumed run is written where it started ({run_dir}); fix: drop --out")
+    if not run_dir.is_dir():
+        raise ScenarioError(f"--resume {run_dir}: no such directory; fix: pass the directory of a run that stopped")
+    if not (run_dir / SCENARIO_FILE).is_file():
+        raise ScenarioError(f"--resume {run_dir}: no {SCENARIO_FILE}, so not a run that kept checkpoints; fix: pass a run directory written with checkpoint.every >= 1")
+    if (run_dir / "summary.json").is_file():
+        raise ScenarioError(f"--resume {run_dir}: this run finished; fix: pass a run that stopped before its end")
+    sc = load_resolved(run_dir / SCENARIO_FILE)
+    if args.scenario is not None:
+        given = load_variants(args.scenario)
+        other = given[0].scenario
+        if len(given) > 1 or scenario_digest(other) != scenario_digest(sc):
+            raise ScenarioError(
+                f"{args.scenario}: is not the scenario {run_dir} was run with ({sc.name!r}, in {run_dir / SCENARIO_FILE}); "
+                "fix: resume without a scenario file, or with the one it ran"
+            )
+    done = {}
+    for mode in sc.modes:
+        rep = run_dir / mode / "report.json"
+        if rep.is_file():
+            done[mode] = report.read_json(rep)
+        else:
+            load_run(run_dir, sc, mode)  # every checkpoint is read and checked before anything runs
+    return [Variant(None, sc)], run_dir, done
+
+
+def _run_variant(sc, label, where: Path, env: dict, console: Console, plots: bool, profile: bool = False, **kw) -> dict:
     if sc.runtime == "ray":
         from core.ray_runtime import cluster
 
         with cluster(sc):  # one Ray instance for every mode of the run
-            return _run_modes(sc, label, where, env, console, plots, profile)
-    return _run_modes(sc, label, where, env, console, plots, profile)
+            return _run_modes(sc, label, where, env, console, plots, profile, **kw)
+    return _run_modes(sc, label, where, env, console, plots, profile, **kw)
 
 
-def _run_modes(sc, label, where: Path, env: dict, console: Console, plots: bool, profile: bool) -> dict:
-    reports = {}
+def _run_modes(
+    sc, label, where: Path, env: dict, console: Console, plots: bool, profile: bool,
+    done: dict | None = None, stop_at_step: int | None = None,
+) -> dict:
+    reports = dict(done or {})
     with ModeProgress(console, sc.trainer.steps) as progress:
         for mode in sc.modes:
+            if mode in reports:
+                continue
             progress.start(f"{label}/{mode}" if label else mode)
-            (where / mode).mkdir()
+            (where / mode).mkdir(exist_ok=True)
             profiler = Profiler(where / mode / "profile") if profile else None
             on_processes = _with_driver(profiler) if profiler else None
+            resume = (where / mode / "checkpoints").is_dir()
             try:
                 with NvmlSampler() as gpu:
-                    system = run_mode(sc, mode, on_step=progress.on_step, on_processes=on_processes)
+                    system = run_mode(
+                        sc, mode, on_step=progress.on_step, on_processes=on_processes, run_dir=where,
+                        resume=resume, stop_at_step=stop_at_step,
+                    )
             finally:
                 if profiler:
                     profiler.stop()
+            (where / mode / "queue.journal").unlink(missing_ok=True)  # the run's, not the report's
             rep = report.build(sc, system, env, gpu.summary())
             reports[mode] = rep
-            report.write_json(where / mode / "report.json", rep)
+            write_atomic(where / mode / "report.json", report.json_text(rep).encode())
             if sc.report.timeline and plots:
                 timeline_png(system, where / mode / "timeline.png", sc.report.timeline_rows)
                 if system.trainer.step_info and "reward_mean" in system.trainer.step_info[0]:
                     reward_png(system, where / mode / "reward.png")
-    return report.summary(sc, reports)
+    return report.summary(sc, {m: reports[m] for m in sc.modes})
 
 
 def _with_driver(profiler: "Profiler"):

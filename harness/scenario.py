@@ -134,6 +134,21 @@ class Variant:
     published: dict = field(default_factory=dict)
 
 
+def load_resolved(path: str | Path) -> Scenario:
+    """A run directory's resolved scenario (JSON, every key written); ``ScenarioError`` if it
+    is unreadable or no longer valid."""
+    import json
+
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ScenarioError(f"{path}: unreadable ({exc}); fix: resume a run directory that asyncrl wrote") from None
+    if not isinstance(data, dict):
+        raise ScenarioError(f"{path}: not a scenario (a JSON object); fix: resume a run directory that asyncrl wrote")
+    return _build(data, [], {"": str(path)})
+
+
 def load(path: str | Path, overrides: list[str] = ()) -> Scenario:
     """Read, override and validate a single-scenario file; raises ``ScenarioError`` with one line."""
     variants = load_variants(path, overrides)
