@@ -4,6 +4,9 @@
 #                 references (ASYNCRL_PUREPYTHON=1), then the micro-benchmarks
 #   make run      the quickstart scenario
 #   make bench    the micro-benchmarks alone, then the hot paths' targets as measured ratios
+#   make fuzz     atheris over the codec decoder and the checkpoint reader, on both backends:
+#                 FUZZ_RUNS inputs per target and backend (at most FUZZ_MAX_TIME s each);
+#                 exits nonzero on a crash (inputs in .fuzz/crashes/)
 #   make build    rebuild the extensions in place (ASYNCRL_DEBUG_CYTHON=1 for a debug build)
 #   make clean    remove build outputs (keeps .venv)
 
@@ -13,8 +16,11 @@ PY := $(VENV)/bin/python
 # Reinstalled (and the extensions rebuilt) only when what the install depends on changes.
 STAMP := $(VENV)/.asyncrl-installed
 EXT_SOURCES := $(wildcard ext/*.pyx ext/*.pxd)
+FUZZ_RUNS ?= 1000000
+FUZZ_MAX_TIME ?= 1800
+FUZZ_JOBS ?= 1
 
-.PHONY: setup venv build run test bench clean
+.PHONY: setup venv build run test bench fuzz clean
 
 setup venv: $(STAMP)
 
@@ -44,6 +50,9 @@ bench: $(STAMP)
 	$(PY) -m pytest bench --benchmark-only --benchmark-json=.benchmarks/last.json
 	$(PY) bench/targets.py .benchmarks/last.json
 
+fuzz: $(STAMP)
+	$(PY) -m fuzz.run --runs $(FUZZ_RUNS) --max-time $(FUZZ_MAX_TIME) --jobs $(FUZZ_JOBS)
+
 clean:
-	rm -rf build *.egg-info .pytest_cache .benchmarks .hypothesis
+	rm -rf build *.egg-info .pytest_cache .benchmarks .hypothesis .fuzz
 	rm -f ext/*.so $(patsubst %.pyx,%.c,$(wildcard ext/*.pyx)) $(STAMP)

@@ -68,11 +68,43 @@ def to_record(group: Group) -> codec.Sample:
     return codec.Sample(arrays=arrays, meta=meta)
 
 
+# What to_record writes, field by field (the four offsets arrays: _check_offsets). A record with
+# another kind, dtype or rank is not one of ours: reading it anyway failed outside CodecError
+# (AttributeError, IndexError, OverflowError) or gave a Group that cannot be encoded again.
+_ARRAY_FIELDS = {
+    "uid": ("int64", 1), "index": ("int64", 1), "n_prompt": ("int64", 1), "n_response": ("int64", 1),
+    "finished": ("bool", 1), "interrupts": ("int64", 1), "has_reward": ("bool", 1), "reward": ("float64", 1),
+    "times": ("float64", 2), "tokens": ("int32", 1), "logprobs": ("float64", 1), "spans": ("int64", 2),
+    "has_prompt": ("bool", 1), "prompt_tokens": (None, 1),
+}
+_META_FIELDS = {
+    "prompt_id": (int,), "version": (int,), "aborts": (int,), "resumes": (int,),
+    "admitted_at": (int, float), "finished_at": (int, float),
+}
+
+
+def _what(v) -> str:
+    return f"{v.dtype}{list(v.shape)}" if isinstance(v, np.ndarray) else type(v).__name__
+
+
+def _check_fields(rec: codec.Sample) -> None:
+    for name, (dtype, ndim) in _ARRAY_FIELDS.items():
+        a = rec[name]
+        if not isinstance(a, np.ndarray) or (dtype is not None and a.dtype != dtype) or a.ndim != ndim:
+            wanted = f"a {ndim}-d {dtype or 'numeric'} array"
+            raise codec.CodecError(f"group record: {name} must be {wanted}, got {_what(a)}")
+    for name, types in _META_FIELDS.items():
+        if type(rec[name]) not in types:
+            wanted = " or ".join(t.__name__ for t in types)
+            raise codec.CodecError(f"group record: {name} must be {wanted}, got {_what(rec[name])}")
+
+
 def from_record(rec: codec.Sample) -> Group:
     """The group a record describes; ``CodecError`` if it is not a well-formed group record."""
     try:
         if rec["kind"] != KIND:
             raise codec.CodecError(f"not a group record: kind {rec['kind']!r}, expected {KIND!r}")
+        _check_fields(rec)
         n = len(rec["uid"])
         tok_off, lp_off, sp_off = rec["token_offsets"], rec["logprob_offsets"], rec["span_offsets"]
         has_prompt, pr_off = rec["has_prompt"], rec["prompt_offsets"]
@@ -85,7 +117,7 @@ def from_record(rec: codec.Sample) -> Group:
         if times.shape != (n, 4) or spans.ndim != 2 or spans.shape[1] != 2:
             raise codec.CodecError(f"group record: times {times.shape} or spans {spans.shape} malformed")
         columns = [rec[k] for k in ("index", "n_prompt", "n_response", "finished", "interrupts", "has_reward", "reward")]
-        if any(len(c) != n for c in columns):
+        if any(len(c) != n for c in (*columns, has_prompt)):
             raise codec.CodecError("group record: per-sample columns differ in length")
         samples = []
         p = 0
@@ -128,8 +160,8 @@ def from_record(rec: codec.Sample) -> Group:
 
 
 def _check_offsets(name: str, off: np.ndarray, rows: int, total: int) -> None:
-    if off.dtype != np.int64 or off.shape != (rows + 1,):
-        raise codec.CodecError(f"group record: {name} must be int64[{rows + 1}], got {off.dtype}{list(off.shape)}")
+    if not isinstance(off, np.ndarray) or off.dtype != np.int64 or off.shape != (rows + 1,):
+        raise codec.CodecError(f"group record: {name} must be int64[{rows + 1}], got {_what(off)}")
     if off[0] != 0 or off[-1] != total or (rows and np.any(np.diff(off) < 0)):
         raise codec.CodecError(f"group record: {name} are not a partition of {total} items")
 

@@ -126,8 +126,10 @@ def _record_with(**changes) -> bytes:
             arrays.pop(k, None)
             meta.pop(k, None)
         elif isinstance(v, np.ndarray):
+            meta.pop(k, None)
             arrays[k] = v
         else:
+            arrays.pop(k, None)
             meta[k] = v
     return codec.encode(codec.Sample(arrays=arrays, meta=meta))
 
@@ -144,6 +146,16 @@ def _record_with(**changes) -> bytes:
         ({"reward": np.zeros(2)}, "columns differ in length"),
         ({"times": np.zeros((3, 3))}, "times"),
         ({"version": "three"}, "group record"),
+        # found by `make fuzz`: these raised AttributeError, IndexError or OverflowError out of
+        # decode_group, or decoded to a Group that encode_group could not write back
+        ({"token_offsets": 3}, "token_offsets must be int64[4], got int"),
+        ({"has_prompt": "x"}, "has_prompt must be a 1-d bool array, got str"),
+        ({"times": 1.0}, "times must be a 2-d float64 array, got float"),
+        ({"has_prompt": np.array([True, True])}, "columns differ in length"),
+        ({"tokens": np.full(9, 3_000_000_000, np.uint32)}, "tokens must be a 1-d int32 array, got uint32[9]"),
+        ({"uid": np.full(3, np.inf)}, "uid must be a 1-d int64 array, got float64[3]"),
+        ({"prompt_id": float("inf")}, "prompt_id must be int, got float"),
+        ({"prompt_tokens": "abc"}, "prompt_tokens must be a 1-d numeric array, got str"),
     ],
 )
 def test_well_formed_codec_bytes_that_are_not_a_group_raise_codec_errors(changes, reason):

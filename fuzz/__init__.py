@@ -1,0 +1,1 @@
+"""atheris fuzz targets for the readers of untrusted bytes (``make fuzz``; see fuzz/run.py)."""
