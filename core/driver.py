@@ -28,7 +28,7 @@ from core import virtual_clock
 from core.config import Scenario
 from core.costs import DecodeCost, TrainCost, TransferCost
 from core.engine_sim import SimEngine
-from core.faults import FaultInjector, FaultLog, FaultPlan, RestartsExhausted, SupervisedEngine
+from core.faults import FaultInjector, FaultLog, FaultPlan, RestartsExhausted, SupervisedEngine, WorkerLost, worker_key
 from core.ledger import Ledger
 from core.param_sync import ParamSync, SimWeightTransfer, WeightTransfer
 from core.placement import Placement, effective_staleness
@@ -281,6 +281,7 @@ async def drive(system: System, resume: Optional[tuple[int, float, float]] = Non
 
         save_run(system, 0, 0.0, 0.0, at_start=True)
     injector.arm()
+    _resume_slowdowns(system)
     rollout = asyncio.create_task(system.rollouter.run(), name="rollouter")
     train = asyncio.create_task(_supervise_trainer(system, resume), name="trainer-supervisor")
     try:
@@ -371,16 +372,38 @@ def strike(system: System, fault, record) -> None:
         engine = system.engines[fault.worker]
         if fault.kind == "kill":
             engine.crash(sc.recovery.engine_restart_s)
+            # Its supervisor sees the process die at once (an idle worker too), and restarts it.
+            system.rollouter._lost(fault.worker, WorkerLost(engine.name, "process", "killed"))
         elif fault.kind == "slow":
             engine.set_slowdown(fault.factor)
-
-            def end() -> None:
-                engine.set_slowdown(1.0)
-                system.faults.recovered(record.target, loop.time())
-
-            loop.call_later(fault.duration_s, end)
+            _end_slowdown(system, fault, loop.time() + fault.duration_s)
         else:
             engine.hang_next = fault.call
+
+
+def _end_slowdown(system: System, fault, at: float) -> None:
+    loop = asyncio.get_running_loop()
+
+    def end() -> None:
+        system.engines[fault.worker].set_slowdown(1.0)
+        system.faults.recovered(worker_key(fault.worker), loop.time())
+
+    loop.call_at(at, end)
+
+
+def _resume_slowdowns(system: System) -> None:
+    """A resumed run ends the slowdowns under way at its checkpoint when they were due to end
+    (their timers are not in the checkpoint; the engines' slowdown is)."""
+    now = asyncio.get_running_loop().time()
+    fired = [system.plan.faults[i] for i in sorted(system.plan.fired)]
+    ends = set()
+    for rec in system.faults.records:
+        if rec.kind == "slow" and rec.recovered_s is None:
+            for f in fired:
+                if f.kind == "slow" and worker_key(f.worker) == rec.target and rec.at_s + f.duration_s >= now:
+                    ends.add((rec.at_s + f.duration_s, f))
+    for at, f in sorted(ends, key=lambda e: e[0]):
+        _end_slowdown(system, f, at)
 
 
 def in_flight(system: System) -> int:

@@ -166,7 +166,14 @@ class SimEngine:
             self.hang_next = None
             fut = asyncio.get_running_loop().create_future()
             self._hung.append(fut)
-            await fut  # until a crash fails it, or the caller's timeout cancels it
+            try:
+                await fut  # until a crash fails it, or the caller's timeout cancels it
+            except asyncio.CancelledError:
+                # The caller gave up (its timeout, or its own death): the worker is still
+                # stuck, and its next such call hangs too, until a restart (crash) clears it.
+                if self.down_until is None:
+                    self.hang_next = call
+                raise
 
     def crash(self, restart_s: float) -> int:
         """The worker's process dies: every request fails and its tokens are lost; it is back

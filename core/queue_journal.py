@@ -102,6 +102,7 @@ class QueueJournal:
                 else:
                     g = from_record(rec)
                     st.queued[g.prompt_id] = g
+                    st.counters["put"] += 1  # an op record after it carries the counts whole
             except (codec.CodecError, KeyError) as exc:
                 raise CheckpointError(str(self.path), f"journal record unreadable ({exc})", "start the run again", at) from None
             at += FRAME.size + length

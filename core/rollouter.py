@@ -110,6 +110,7 @@ class Rollouter:
         self.faults = faults or FaultLog()
         self.stop_timeout_s = stop_timeout_s  # how long stop() waits on a generation that ignores abort
         self._weights: Any = None  # the latest version's weights, for a worker back from a restart
+        self._weights_version = 0  # their version, set before the live engines load them
         self._down: set[int] = set()  # workers lost and not yet back
         self._recovering: dict[int, asyncio.Task] = {}
         self._failure: Optional[BaseException] = None
@@ -250,9 +251,11 @@ class Rollouter:
         try:
             await e.recover()
             while True:  # a sync may move the version while the worker loads
-                v = self.version
+                # A sync under way has set the new weights already: a worker back before it
+                # ends is not among the engines it loads, so it loads them itself.
+                v = max(self.version, self._weights_version)
                 await e.update_weights(v, self._weights)
-                if v == self.version:
+                if v == max(self.version, self._weights_version):
                     break
         except WorkerLost as exc:
             self._recovering.pop(i, None)
@@ -301,8 +304,14 @@ class Rollouter:
 
     async def update_weights(self, version: int, weights: Any = None) -> None:
         """Every live engine loads ``weights`` (concurrently; one being restarted loads them once
-        back), then the queue's version gate moves: groups it evicts free their staleness budget."""
-        self._weights = weights
+        back), then the queue's version gate moves: groups it evicts free their staleness budget.
+
+        Versions never go back: a trainer restored from a checkpoint older than the engines'
+        weights (one skipped, or ``checkpoint.every`` > 1) sends versions they have passed;
+        they keep the newer weights until it catches up."""
+        if version < self.version:
+            return
+        self._weights, self._weights_version = weights, version
         await self._each_up("update_weights", version, weights)
         self.version = version
         self.dropped_from_queue(self.queue.set_version(version), "stale")

@@ -123,7 +123,7 @@ class AsyncStalenessQueue:
         evicted = self._q.set_version(version)
         if evicted:
             self._wake_putters()
-        if self.journal is not None:
+        if self.journal is not None and self._down is None:  # a dead queue writes nothing; recover() takes the version
             self.journal.op("removed", evicted, self.version, self._counters_full())
         return evicted
 
@@ -182,8 +182,8 @@ class AsyncStalenessQueue:
         st = self.journal.replay()
         q = self._impl(self._q.capacity, self._q.max_staleness)
         queued = list(st.queued.values())
-        if queued:
-            q.set_version(min(g.version for g in queued))
+        if queued:  # no item is newer than the queue's version: store them all at the newest
+            q.set_version(max(g.version for g in queued))
         q.put_many(queued, [g.version for g in queued])
         version = max(st.version, self._q.version)
         evicted = q.set_version(version)
@@ -199,7 +199,8 @@ class AsyncStalenessQueue:
         if down is not None:
             down.set()
         self._wake_putters()
-        if self._getter is not None and not self._getter.done() and len(self) > 0:
+        if self._getter is not None and not self._getter.done():
+            # its watch was on the queue that died: it looks again and watches the new one
             self._getter.set_result(None)
         return evicted
 
