@@ -16,6 +16,7 @@ Modes:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -122,8 +123,11 @@ def durable(sc: Scenario) -> bool:
 
 def make_queue(sc: Scenario, mode: str, run_dir: Optional[Path]) -> AsyncStalenessQueue:
     max_staleness, _ = effective_staleness(sc, mode)
-    journal = QueueJournal(Path(run_dir) / mode / "queue.journal") if durable(sc) and run_dir is not None else None
-    return AsyncStalenessQueue(capacity=queue_capacity(sc, mode), max_staleness=max_staleness, journal=journal)
+    keep = durable(sc)
+    journal = QueueJournal(Path(run_dir) / mode / "queue.journal") if keep and run_dir is not None else None
+    return AsyncStalenessQueue(
+        capacity=queue_capacity(sc, mode), max_staleness=max_staleness, journal=journal, durable=keep
+    )
 
 
 def connect_rollout(
@@ -292,10 +296,19 @@ async def drive(system: System, resume: Optional[tuple[int, float, float]] = Non
             rollout.result()
             raise RuntimeError("the rollouter stopped before the trainer finished")
         train.result()
+    except BaseException:
+        # A failed or stopped run: generation is interrupted, engines closed, nothing left pending.
+        train.cancel()
+        await asyncio.gather(train, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await system.rollouter.stop()
+            for e in system.engines:
+                await e.close(loop.time())
+        rollout.cancel()
+        await asyncio.gather(rollout, return_exceptions=True)
+        raise
     finally:
         injector.disarm()
-        if not rollout.done() and not train.done():
-            rollout.cancel()
     system.end_s = loop.time()
     system.queue.ack()  # the run is over: what was trained stays trained
     await end_rollout(system.rollouter, system.queue, system.ledger)
@@ -386,7 +399,7 @@ def _end_slowdown(system: System, fault, at: float) -> None:
 
     def end() -> None:
         system.engines[fault.worker].set_slowdown(1.0)
-        system.faults.recovered(worker_key(fault.worker), loop.time())
+        system.faults.recovered(worker_key(fault.worker), loop.time(), ("slow",))
 
     loop.call_at(at, end)
 

@@ -124,14 +124,14 @@ class Evaluations:
         if not self.every:
             return
         remote = ray.remote(_warm).options(num_cpus=self.sc.eval.num_cpus)
-        ray.get([remote.remote() for _ in _chunks(self.sc)], timeout=300)
+        ray.get([remote.remote() for _ in _chunks(self.sc)], timeout=self.sc.timeouts.restart_s)
 
     def poll(self, trainer: Any, version: int, now: float) -> None:
         """Launch an evaluation when a due version is out; collect the finished ones."""
         import ray
 
         if self.every and version >= self.next_version:
-            v, refs = ray.get(trainer.latest_weights.remote(), timeout=60)
+            v, refs = ray.get(trainer.latest_weights.remote(), timeout=self.sc.timeouts.control_s)
             if v >= self.next_version:
                 # Version 0 is the model directory's weights: nothing was published yet.
                 weights = refs[0] if refs else None

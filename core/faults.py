@@ -67,10 +67,11 @@ class FaultLog:
         log.info("fault injected: %s %s at %.3f s", kind, target, now)
         return rec
 
-    def recovered(self, target: str, now: float) -> None:
-        """Close every open fault of ``target`` (a kill during a hang is one recovery)."""
+    def recovered(self, target: str, now: float, kinds: tuple[str, ...] = ("kill", "hang")) -> None:
+        """Close every open fault of ``target`` of these kinds (a kill during a hang is one
+        recovery; a slowdown ends on its own)."""
         for rec in self.records:
-            if rec.target == target and rec.recovered_s is None:
+            if rec.target == target and rec.kind in kinds and rec.recovered_s is None:
                 rec.recovered_s = now
                 log.info("recovered: %s %s after %.3f s", rec.kind, target, now - rec.at_s)
 
@@ -146,6 +147,13 @@ class FaultPlan:
 
     def due_at_step(self, step: int) -> list[int]:
         return [i for i, f in enumerate(self.faults) if i not in self.fired and f.at_step is not None and f.at_step <= step]
+
+    def due(self, step: int, now: float) -> list[int]:
+        """Faults not yet fired whose step is done or whose time has come (a watcher that polls)."""
+        return [
+            i for i, f in enumerate(self.faults) if i not in self.fired
+            and ((f.at_step is not None and f.at_step <= step) or (f.at_s is not None and f.at_s <= now))
+        ]
 
     def timed(self) -> list[int]:
         return [i for i, f in enumerate(self.faults) if i not in self.fired and f.at_s is not None]

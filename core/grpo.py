@@ -133,7 +133,9 @@ class TorchTrainBackend:
         # On CPU, torch's SDPA kernels are 3-40x slower than eager attention at these sizes
         # (measured: padded batch of 64 x 80 tokens, 2 threads; decode with a padding mask worst).
         attn = "eager" if device == "cpu" else "sdpa"
-        self.model = Qwen2ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation=attn).to(device)
+        self.model = Qwen2ForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.float32, attn_implementation=attn, use_safetensors=True,  # never a pickle
+        ).to(device)
         self.model.train()
         self.opt = torch.optim.Adam(self.model.parameters(), lr=learn.lr)
         cfg = self.model.config

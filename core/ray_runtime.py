@@ -30,14 +30,14 @@ from typing import Any, Callable, Optional
 
 from core.config import Scenario
 from core.driver import (
-    ProgressFn, System, Workers, connect_rollout, connect_trainer, end_rollout, queue_capacity, release_unused,
+    ProgressFn, System, Workers, connect_rollout, connect_trainer, end_rollout, make_queue, release_unused,
     trained_bound,
 )
 from core.evaluation import Evaluations
+from core.faults import FaultLog, FaultPlan, WorkerLost, worker_key
 from core.ledger import Ledger
-from core.placement import Placement, effective_staleness
+from core.placement import Placement
 from core.sample import Group
-from core.staleness_queue import AsyncStalenessQueue
 from core.timeline import Timeline
 from core.workers import REAL_RUNTIME_ENV
 
@@ -101,19 +101,44 @@ class EngineHost:
 
         self.timeline = Timeline()
         self.engine = make_engine(sc, name, threads, self.timeline, seed)
+        self._slow: Optional[tuple[float, float, float]] = None  # (factor, from, until)
+        self._hang: Optional[str] = None
 
     async def start(self) -> None:
         await self.engine.start()
 
     async def generate(self, group: Group, max_response_len: int) -> tuple[bool, Group]:
+        await self._enter("generate")
+        t0 = asyncio.get_running_loop().time()
         completed = await self.engine.generate(group, max_response_len)
+        if completed and self._slow is not None:
+            # A slowed worker: what overlapped the interval took ``factor`` times as long.
+            factor, lo, hi = self._slow
+            overlap = min(asyncio.get_running_loop().time(), hi) - max(t0, lo)
+            if overlap > 0:
+                await asyncio.sleep((factor - 1.0) * overlap)
         return completed, group
 
     async def abort_all(self) -> int:
+        await self._enter("abort_all")
         return await self.engine.abort_all()
 
     async def update_weights(self, version: int, weights: Any) -> None:
+        await self._enter("update_weights")
         await self.engine.update_weights(version, weights)
+
+    # faults (core/faults.py): injected by the rollout actor
+    def slow(self, factor: float, duration_s: float) -> None:
+        now = asyncio.get_running_loop().time()
+        self._slow = (factor, now, now + duration_s)
+
+    def hang(self, call: str) -> None:
+        self._hang = call
+
+    async def _enter(self, call: str) -> None:
+        if self._hang == call:
+            self._hang = None
+            await asyncio.get_running_loop().create_future()  # never answers: the caller's timeout ends it
 
     async def clear_cache(self) -> None:
         await self.engine.clear_cache()
@@ -139,30 +164,62 @@ class EngineHost:
 class EngineProxy:
     """The engine protocol, forwarded to an ``EngineHost`` actor."""
 
-    def __init__(self, name: str, handle: Any, offset: float) -> None:
+    def __init__(self, name: str, handle: Any, offset: float, pid: int = 0) -> None:
         self.name = name
         self.handle = handle
         self.offset = offset  # actor clock minus this process's clock
+        self.pid = pid  # of the actor's current process: a restart changes it
+        self.dead = False  # a call saw the actor die (Ray restarts it)
         self.busy_s = self.seq_s = 0.0
         self.tokens_generated = self.prefill_tokens = 0
         self.spans: dict = {}
 
+    async def _remote(self, call: str, *args: Any) -> Any:
+        """A call to the actor; its death (or a restart in progress) is ``WorkerLost``."""
+        ray = _ray()
+        try:
+            return await getattr(self.handle, call).remote(*args)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+            self.dead = True
+            raise WorkerLost(self.name, call, f"the actor died ({type(exc).__name__})") from None
+
     async def generate(self, group: Group, max_response_len: int) -> bool:
-        completed, done = await self.handle.generate.remote(group, max_response_len)
+        completed, done = await self._remote("generate", group, max_response_len)
         done.shift_times(-self.offset)
         group.take_generation(done)
         return completed
 
     async def abort_all(self) -> int:
-        return await self.handle.abort_all.remote()
+        return await self._remote("abort_all")
 
     async def update_weights(self, version: int, weights: Any) -> None:
         # ``weights`` is [ObjectRef]: passed bare, Ray resolves it in the engine's process,
         # from the object store, without a copy through this one.
-        await self.handle.update_weights.remote(version, weights[0] if weights else None)
+        await self._remote("update_weights", version, weights[0] if weights else None)
 
     async def clear_cache(self) -> None:
-        await self.handle.clear_cache.remote()
+        await self._remote("clear_cache")
+
+    def kill(self) -> None:
+        """End the actor's process; Ray starts a new one (``max_restarts``)."""
+        self.dead = True
+        _ray().kill(self.handle, no_restart=False)
+
+    async def recover(self) -> None:
+        """Kill a hung actor, wait for Ray to bring a new process up, start its engine."""
+        ray = _ray()
+        if not self.dead:
+            self.kill()
+        while True:
+            try:
+                pid = await self.handle.pid.remote()
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                pid = None
+            if pid is not None and pid != self.pid:
+                break
+            await asyncio.sleep(0.2)
+        self.pid, self.dead = pid, False
+        await self._remote("start")
 
     async def close(self, now: float) -> None:
         stats = await self.handle.close.remote()
@@ -175,29 +232,59 @@ class RolloutHost:
     """The Rollouter, its queue and the producer half of the ledger, in one actor: the queue
     lives with its producer, so a finished group costs no hop before it is queued."""
 
-    def __init__(self, sc: Scenario, mode: str) -> None:
-        self.sc, self.mode = sc, mode
+    def __init__(self, sc: Scenario, mode: str, run_dir: str) -> None:
+        self.sc, self.mode, self.run_dir = sc, mode, run_dir
+        self._get: Optional[asyncio.Task] = None
 
-    def connect(self, engines: list[tuple[str, Any, float]], reward_handle: Any) -> None:
-        """Wire the producer side to the engine actors (name, handle, clock offset to ours)."""
+    def connect(self, engines: list[tuple[str, Any, float, int]], reward_handle: Any) -> None:
+        """Wire the producer side to the engine actors (name, handle, clock offset to ours, pid)."""
         from core.reward import ServeReward, TaskPrompts, TaskReward, make_task
 
         sc, mode = self.sc, self.mode
         task = make_task(sc)
-        proxies = [EngineProxy(name, h, off) for name, h, off in engines]
+        proxies = [EngineProxy(name, h, off, pid) for name, h, off, pid in engines]
         reward = ServeReward(reward_handle) if reward_handle is not None else TaskReward(task)
         workers = Workers(proxies, backend=None, transfer=None, prompts=TaskPrompts(task), reward=reward)
         self.ledger = Ledger(trained_bound(sc, mode), reuse=sc.replay.enabled)
-        max_staleness, _ = effective_staleness(sc, mode)
-        self.queue = AsyncStalenessQueue(capacity=queue_capacity(sc, mode), max_staleness=max_staleness)
-        self.rollouter = connect_rollout(sc, mode, workers, self.ledger, self.queue)
+        self.queue = make_queue(sc, mode, self.run_dir)
+        self.faults = FaultLog()
+        self.rollouter = connect_rollout(sc, mode, workers, self.ledger, self.queue, self.faults)
         self.engines = proxies
 
     async def run(self) -> None:
         await self.rollouter.run()
 
     async def get_batch(self, n: int) -> list[Group]:
-        return await self.queue.get_batch(n)
+        # Kept as a task: a trainer that dies while waiting leaves it behind, and its
+        # replacement cancels it (redeliver) before it can take groups for nobody.
+        self._get = asyncio.ensure_future(self.queue.get_batch(n))
+        return await self._get
+
+    async def ack(self) -> None:
+        self.queue.ack()
+
+    async def redeliver(self) -> int:
+        """A restarted trainer: drop the dead one's wait, hand back what it was given since its checkpoint."""
+        if self._get is not None and not self._get.done():
+            self._get.cancel()
+            await asyncio.gather(self._get, return_exceptions=True)
+        return self.queue.redeliver()
+
+    async def inject(self, kind: str, worker: int, factor: float, duration_s: float, call: str) -> None:
+        """A fault on a rollout worker, from the driver's plan."""
+        loop = asyncio.get_running_loop()
+        proxy = self.engines[worker]
+        target = worker_key(worker)
+        self.faults.injected(kind, target, loop.time())
+        if kind == "kill":
+            proxy.kill()
+            # Ray reports the process gone at once; an idle worker is restarted right away too.
+            self.rollouter._lost(worker, WorkerLost(proxy.name, "process", "killed"))
+        elif kind == "slow":
+            await proxy.handle.slow.remote(factor, duration_s)
+            loop.call_later(duration_s, lambda: self.faults.recovered(target, loop.time(), ("slow",)))
+        else:
+            await proxy.handle.hang.remote(call)
 
     async def pause(self, mode: str) -> None:
         await self.rollouter.pause(mode)
@@ -210,6 +297,9 @@ class RolloutHost:
 
     async def stop(self) -> dict:
         """End of run: stop, account for what was never queued or trained, close engines."""
+        if self._get is not None and not self._get.done():
+            self._get.cancel()
+        self.queue.ack()  # the run is over: what was trained stays trained
         await end_rollout(self.rollouter, self.queue, self.ledger)
         now = asyncio.get_running_loop().time()
         await asyncio.gather(*(e.close(now) for e in self.engines))
@@ -223,6 +313,7 @@ class RolloutHost:
             "engines": [_EngineView(e.name, e.busy_s, e.seq_s, e.tokens_generated, e.prefill_tokens) for e in self.engines],
             "queue": _QueueView(self.queue.counters(), len(self.queue)),
             "in_flight": self.rollouter.in_flight(),
+            "faults": self.faults.state(),
         }
 
     def now(self) -> float:
@@ -232,12 +323,26 @@ class RolloutHost:
         return os.getpid()
 
 
-class QueueProxy:
-    """The trainer's batch source: the queue in the rollout actor."""
+async def _timed(ref: Any, seconds: float, component: str, call: str) -> Any:
+    """Await a remote call; no answer in time is a ``CallTimeout`` naming the component and call."""
+    from core.faults import CallTimeout
 
-    def __init__(self, handle: Any, offset: float) -> None:
+    try:
+        async with asyncio.timeout(seconds):
+            return await ref
+    except TimeoutError:
+        raise CallTimeout(component, call, seconds, "timeouts.control_s") from None
+
+
+class QueueProxy:
+    """The trainer's batch source: the queue in the rollout actor. ``get_batch`` waits as long
+    as producing a batch takes, so it has no timeout of its own: the engines' timeouts bound
+    how long the producer can stall."""
+
+    def __init__(self, handle: Any, offset: float, control_s: float) -> None:
         self.handle = handle
         self.offset = offset  # rollout actor clock minus the trainer's
+        self.control_s = control_s
 
     async def get_batch(self, n: int) -> list[Group]:
         groups = await self.handle.get_batch.remote(n)
@@ -247,19 +352,22 @@ class QueueProxy:
 
 
 class RolloutProxy:
-    """What ParamSync drives: pause, update_weights, resume of the Rollouter in its actor."""
+    """What ParamSync drives: pause, update_weights, resume of the Rollouter in its actor.
+    A pause drains the longest generation in flight, so it gets the generate timeout too."""
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, control_s: float, generate_s: Optional[float] = None) -> None:
         self.handle = handle
+        self.control_s = control_s
+        self.generate_s = generate_s or control_s
 
     async def pause(self, mode: str) -> None:
-        await self.handle.pause.remote(mode)
+        await _timed(self.handle.pause.remote(mode), self.generate_s + self.control_s, "rollouter", "pause")
 
     async def update_weights(self, version: int, weights: Any) -> None:
-        await self.handle.update_weights.remote(version, weights)
+        await _timed(self.handle.update_weights.remote(version, weights), self.control_s, "rollouter", "update_weights")
 
     async def resume(self) -> None:
-        await self.handle.resume.remote()
+        await _timed(self.handle.resume.remote(), self.control_s, "rollouter", "resume")
 
 
 class ObjectStoreTransfer:
@@ -281,11 +389,12 @@ class ObjectStoreTransfer:
 class TrainerHost:
     """The Trainer, its ParamSync and the torch GRPO backend, with the trained half of the ledger."""
 
-    def __init__(self, sc: Scenario, mode: str, rollout: Any, threads: int) -> None:
+    def __init__(self, sc: Scenario, mode: str, rollout: Any, threads: int, run_dir: str) -> None:
         from core.workers import make_backend
 
-        self.sc, self.mode = sc, mode
+        self.sc, self.mode, self.run_dir = sc, mode, run_dir
         self.rollout = rollout
+        self.resynced_at: Optional[float] = None
         self.backend = make_backend(sc, threads)
         self.transfer = ObjectStoreTransfer(self.backend)
         self.timeline = Timeline()
@@ -295,19 +404,49 @@ class TrainerHost:
 
     async def connect(self, rollout_offset: float) -> None:
         """Wire the trainer side; ``rollout_offset`` is the rollout actor's clock minus ours."""
+        from core.checkpoint import latest
+        from core.run_checkpoint import checkpoint_dir, save_trainer_side
+
+        sc, mode = self.sc, self.mode
         workers = Workers([], self.backend, self.transfer)
         self.trainer, self.param_sync, self.replay = connect_trainer(
-            self.sc, self.mode, workers, self.ledger, QueueProxy(self.rollout, rollout_offset),
-            RolloutProxy(self.rollout), self.timeline,
+            sc, mode, workers, self.ledger, QueueProxy(self.rollout, rollout_offset, sc.timeouts.control_s),
+            RolloutProxy(self.rollout, sc.timeouts.control_s, sc.timeouts.generate_s), self.timeline,
         )
+        if not sc.checkpoint.every:
+            return
 
-    async def run(self) -> None:
-        await self.trainer.run()
-        self.end_s = asyncio.get_running_loop().time()
+        async def checkpoint(version: int, t0: float, t1: float) -> None:
+            t = self.trainer
+            if await asyncio.to_thread(save_trainer_side, sc, mode, self.run_dir, t, self.ledger, self.backend, version):
+                await _timed(self.rollout.ack.remote(), sc.timeouts.control_s, "rollouter", "ack")
 
-    def progress(self) -> tuple[int, float, int, int]:
+        self.param_sync.checkpoint = checkpoint
+        if latest(checkpoint_dir(self.run_dir, mode)) is None:  # what a trainer dying before its first sync goes back to
+            save_trainer_side(sc, mode, self.run_dir, self.trainer, self.ledger, self.backend, 0, at_start=True)
+
+    async def restore(self) -> None:
+        """A restarted trainer: back to the latest checkpoint; the queue hands back what the
+        dead one was given since."""
+        from core.run_checkpoint import restore_trainer_side
+
+        await asyncio.to_thread(restore_trainer_side, self.trainer, self.ledger, self.backend, self.run_dir, self.mode)
+        await _timed(self.rollout.redeliver.remote(), self.sc.timeouts.control_s, "rollouter", "redeliver")
+
+    async def run(self, resync: bool = False) -> None:
+        """Train to the end; ``resync``: first move the engines to this trainer's weights."""
+        loop = asyncio.get_running_loop()
+
+        async def first() -> None:
+            await self.param_sync.sync(self.trainer.version, checkpoint=False)
+            self.resynced_at = loop.time()
+
+        await self.trainer.run(first if resync else None)
+        self.end_s = loop.time()
+
+    def progress(self) -> tuple[int, float, int, int, Optional[float]]:
         t = self.trainer
-        return t.step, time.monotonic(), self.ledger.trainings, t.version
+        return t.step, time.monotonic(), self.ledger.trainings, t.version, self.resynced_at
 
     def latest_weights(self) -> tuple[int, list]:
         return self.transfer.latest
@@ -414,6 +553,29 @@ def _offset(handle: Any, probes: int = 5) -> float:
     return best[1]
 
 
+def _restart_trainer(trainer: Any, old_pid: int, off_rollout: float, sc: Scenario) -> tuple[int, float]:
+    """Wait for Ray's new trainer process, wire it, and restore it from its checkpoint."""
+    ray = _ray()
+    deadline = time.monotonic() + sc.timeouts.restart_s
+    while True:
+        try:
+            pid = ray.get(trainer.pid.remote(), timeout=sc.timeouts.control_s)
+            if pid != old_pid:
+                break
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"trainer: not back within {sc.timeouts.restart_s:g} s of its death; "
+                "fix: raise timeouts.restart_s or recovery.max_restarts"
+            )
+        time.sleep(0.2)
+    off = _offset(trainer)
+    ray.get(trainer.connect.remote(off_rollout - off), timeout=sc.timeouts.restart_s)
+    ray.get(trainer.restore.remote(), timeout=sc.timeouts.restart_s)
+    return pid, off
+
+
 def _bundles(sc: Scenario, place: Placement) -> list[dict]:
     r, t = sc.ray.rollout, sc.ray.trainer
     rollout = [{"CPU": r.num_cpus, "GPU": r.num_gpus} for _ in range(place.engines)]
@@ -426,9 +588,6 @@ def _clean(bundle: dict) -> dict:
     return {k: v for k, v in bundle.items() if v > 0} or {"CPU": 0.001}
 
 
-# The most a quick control call (progress, clock, pid) may take before the run is declared stuck.
-RPC_TIMEOUT_S = 60.0
-
 ProcessesFn = Callable[[list[tuple[str, int]]], None]
 
 
@@ -439,8 +598,25 @@ def run_ray(
     on_processes: Optional[ProcessesFn] = None,
     run_dir=None,
 ) -> System:
-    """Run one mode with every component in its own Ray actor; the driver only watches."""
+    """Run one mode with every component in its own Ray actor; the driver only watches, and
+    injects the scenario's faults. ``run_dir`` keeps the trainer's checkpoints (it must be on
+    storage every node sees); a temporary directory when None."""
+    import shutil
+    import tempfile
+
+    tmp = None
+    if run_dir is None:
+        run_dir = tmp = tempfile.mkdtemp(prefix="asyncrl-ray-")
+    try:
+        return _run_ray(sc, mode, on_step, on_processes, os.path.abspath(run_dir))
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run_ray(sc: Scenario, mode: str, on_step, on_processes, run_dir: str) -> System:
     ray = _ray()
+    died = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -456,7 +632,7 @@ def run_ray(
         try:
             bundles = _bundles(sc, place)
             pg = placement_group([_clean(b) for b in bundles], strategy=sc.ray.placement_strategy)
-            ray.get(pg.ready(), timeout=120)
+            ray.get(pg.ready(), timeout=sc.timeouts.control_s)
             share = 0.5 if place.colocated else 1.0  # colocated: engine and trainer split a bundle
 
             def pinned(i: int, role) -> dict:
@@ -467,15 +643,18 @@ def run_ray(
                     "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
                 }
 
+            control_s = sc.timeouts.control_s
+            restarts = {"max_restarts": sc.recovery.max_restarts}  # Ray brings a killed worker back
             engine_cls = ray.remote(EngineHost)
             engines = []
             for i in range(place.engines):
                 name = f"engine{i:03d}"
-                h = engine_cls.options(**pinned(i, sc.ray.rollout)).remote(sc, name, place.gpus_per_engine, sc.seed * 1000 + i)
+                h = engine_cls.options(**pinned(i, sc.ray.rollout), **restarts).remote(sc, name, place.gpus_per_engine, sc.seed * 1000 + i)
                 engines.append((name, h))
                 actors.append(h)
-            ray.get([h.start.remote() for _, h in engines], timeout=600)
+            ray.get([h.start.remote() for _, h in engines], timeout=sc.timeouts.restart_s)
             off_engines = [_offset(h) for _, h in engines]
+            engine_pids = ray.get([h.pid.remote() for _, h in engines], timeout=control_s)
             reward_handle = None
             if sc.reward.serve:
                 from core.reward import deploy_reward
@@ -483,49 +662,76 @@ def run_ray(
                 reward_handle = deploy_reward(sc)
                 serve_started = True
             c = sc.ray.controller
-            rollout = ray.remote(RolloutHost).options(num_cpus=c.num_cpus, num_gpus=c.num_gpus, max_concurrency=c.max_concurrency).remote(sc, mode)
+            # The rollout actor holds the queue and the producer's ledger: it is not restarted.
+            rollout = ray.remote(RolloutHost).options(num_cpus=c.num_cpus, num_gpus=c.num_gpus, max_concurrency=c.max_concurrency).remote(sc, mode, run_dir)
             actors.append(rollout)
             off_rollout = _offset(rollout)
-            ray.get(rollout.connect.remote([(name, h, off - off_rollout) for (name, h), off in zip(engines, off_engines)], reward_handle))
+            ray.get(rollout.connect.remote(
+                [(name, h, off - off_rollout, pid) for (name, h), off, pid in zip(engines, off_engines, engine_pids)], reward_handle,
+            ), timeout=control_s)
             trainer_bundle = 0 if place.colocated else place.engines
-            trainer = ray.remote(TrainerHost).options(**pinned(trainer_bundle, sc.ray.trainer)).remote(
-                sc, mode, rollout, place.trainer_gpus
+            trainer = ray.remote(TrainerHost).options(**pinned(trainer_bundle, sc.ray.trainer), **restarts).remote(
+                sc, mode, rollout, place.trainer_gpus, run_dir
             )
             actors.append(trainer)
             # Every actor here shares the host's monotonic clock unless the cluster spans nodes,
             # and then the offsets matter.
             off_trainer = _offset(trainer)
-            ray.get(trainer.connect.remote(off_rollout - off_trainer), timeout=120)
+            ray.get(trainer.connect.remote(off_rollout - off_trainer), timeout=sc.timeouts.restart_s)
+            trainer_pid = ray.get(trainer.pid.remote(), timeout=control_s)
             if on_processes is not None:
-                pids = ray.get([h.pid.remote() for _, h in engines] + [rollout.pid.remote(), trainer.pid.remote()])
+                pids = ray.get([rollout.pid.remote()], timeout=control_s)
                 names = [n for n, _ in engines] + ["rollouter", "trainer"]
-                on_processes(list(zip(names, pids)))
+                on_processes(list(zip(names, engine_pids + pids + [trainer_pid])))
 
             evals = Evaluations(sc)
             evals.warm_up()
+            plan = FaultPlan(sc.faults, set())
+            faults = FaultLog()  # the trainer's; the rollout actor keeps its workers'
             t0 = time.monotonic()
             run_refs = {rollout.run.remote(): "rollouter", trainer.run.remote(): "trainer"}
-            last_step = 0
+            last_step = step = 0
             while True:
-                # Watch, never block: the run's two loops, evaluations, progress.
+                # Watch, never block: the run's two loops, evaluations, progress, faults due.
                 ready, _ = ray.wait(list(run_refs), num_returns=1, timeout=sc.ray.poll_s)
-                step, now, trainings, version = ray.get(trainer.progress.remote(), timeout=RPC_TIMEOUT_S)
-                if on_step is not None and step != last_step:
-                    on_step(step, now - off_trainer - t0, trainings)
-                    last_step = step
-                evals.poll(trainer, version, time.monotonic() - t0)
+                try:
+                    step, now, trainings, version, resynced = ray.get(trainer.progress.remote(), timeout=control_s)
+                    if resynced is not None:
+                        faults.recovered("trainer", resynced - off_trainer - t0)
+                    if on_step is not None and step != last_step:
+                        on_step(step, now - off_trainer - t0, trainings)
+                        last_step = step
+                    evals.poll(trainer, version, time.monotonic() - t0)
+                except died:
+                    pass  # the trainer is being restarted
+                for i in plan.due(step, time.monotonic() - t0):
+                    plan.fired.add(i)
+                    f = plan.faults[i]
+                    if f.target == "trainer":
+                        faults.injected("kill", "trainer", time.monotonic() - t0)
+                        ray.kill(trainer, no_restart=False)
+                    else:
+                        ray.get(rollout.inject.remote(f.kind, f.worker, f.factor, f.duration_s, f.call), timeout=control_s)
                 if ready:
-                    who = run_refs[ready[0]]
-                    ray.get(ready[0])  # raises the actor's error
+                    who = run_refs.pop(ready[0])
+                    try:
+                        ray.get(ready[0])  # raises the actor's error
+                    except died:
+                        if who != "trainer":
+                            raise
+                        # Ray restarts the trainer; it goes back to its checkpoint and goes on.
+                        trainer_pid, off_trainer = _restart_trainer(trainer, trainer_pid, off_rollout, sc)
+                        run_refs[trainer.run.remote(True)] = "trainer"
+                        continue
                     if who == "rollouter":
                         raise RuntimeError("the rollouter stopped before the trainer finished")
                     break
-            trained = ray.get(trainer.finish.remote())
-            rolled = ray.get(rollout.stop.remote())
+            trained = ray.get(trainer.finish.remote(), timeout=control_s)
+            rolled = ray.get(rollout.stop.remote(), timeout=sc.timeouts.generate_s)
             evals.finish(time.monotonic() - t0)
             for ref in run_refs:
                 if run_refs[ref] == "rollouter":
-                    ray.get(ref, timeout=60)  # a rollouter that failed after the trainer finished fails the run
+                    ray.get(ref, timeout=control_s)  # a rollouter that failed after the trainer finished fails the run
             # Everything onto the driver's clock, zero at the start.
             dt_r, dt_t = -off_rollout - t0, -off_trainer - t0
             ledger: Ledger = rolled["ledger"]
@@ -539,9 +745,16 @@ def run_ray(
             tv = trained["trainer"]
             for info in tv.step_info:
                 info["end_s"] += dt_t
+            for row in rolled["faults"]:
+                faults.records.append(FaultLog.from_state([row]).records[0])
+                rec = faults.records[-1]
+                rec.at_s += dt_r
+                rec.recovered_s = None if rec.recovered_s is None else rec.recovered_s + dt_r
+            faults.records.sort(key=lambda r: r.at_s)
             system = System(
                 sc, mode, place, ledger, timeline, rolled["queue"], rolled["engines"],
                 _RolloutView(rolled["in_flight"]), trained["param_sync"], tv, trained["backend"], trained["replay"],
+                faults=faults, plan=plan, run_dir=run_dir,
             )
             system.end_s = trained["end_s"] + dt_t
             system.wall_s = time.monotonic() - t0

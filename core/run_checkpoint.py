@@ -87,7 +87,7 @@ def save_run(system: "System", version: int, t0: float, t1: float, at_start: boo
         return None
     ro = system.rollouter
     if ro._down or system.queue.is_down():
-        log.warning("checkpoint at version %d skipped: a component is being restarted", version)
+        log.info("checkpoint at version %d skipped: a component is being restarted", version)
         return None
     snap = capture(system, version, t0, t1, at_start)
     tensors = system.train_backend.tensors() if hasattr(system.train_backend, "tensors") else None
@@ -98,6 +98,8 @@ def save_run(system: "System", version: int, t0: float, t1: float, at_start: boo
 
 def _check(snap: Snapshot, sc: Scenario, mode: str, where: str) -> None:
     st = snap.state
+    if st.get("side") == "trainer":
+        raise CheckpointError(where, "holds the trainer's side only (a ray run's)", "resume a sim or local run directory")
     if st.get("format") != FORMAT:
         raise CheckpointError(where, f"holds {st.get('format')!r}, not a run checkpoint ({FORMAT})", "pass a run directory that asyncrl wrote")
     if st.get("scenario") != scenario_digest(sc) or st.get("mode") != mode:
@@ -174,16 +176,42 @@ def _restore(system: "System", path: Path, snap: Snapshot) -> Optional[tuple[int
 def restore_trainer(system: "System") -> None:
     """A restarted trainer takes its own side of the latest checkpoint back; the queue gives
     it again whatever it had been given since."""
-    found = latest(checkpoint_dir(system.run_dir, system.mode))
+    restore_trainer_side(system.trainer, system.ledger, system.train_backend, system.run_dir, system.mode)
+    system.queue.redeliver()
+
+
+def restore_trainer_side(trainer, ledger, backend, run_dir: Path, mode: str) -> None:
+    """Step, version and the learning curve, the ledger's trained counts, weights and
+    optimizer, from the latest checkpoint of ``mode`` (whole-run or trainer-side)."""
+    found = latest(checkpoint_dir(run_dir, mode))
     if found is None:
         raise RuntimeError("the trainer died before its first checkpoint; fix: checkpoint.every: 1")
     snap = load(found)
-    tr, st = system.trainer, snap.state
+    st = snap.state
     t = st["trainer"]
-    tr.step, tr.version, tr.step_info = t["step"], t["version"], t["step_info"]
-    tr.holding = []
-    system.ledger.restore(st["ledger"], fields=system.ledger.TRAINED_FIELDS)
-    be = system.train_backend
-    if hasattr(be, "load_tensors"):
-        be.load_tensors({s: load_tensors(found, s) for s in ("weights", "optimizer")})
-    system.queue.redeliver()
+    trainer.step, trainer.version, trainer.step_info = t["step"], t["version"], t["step_info"]
+    trainer.holding = []
+    ledger.restore(st["ledger"], fields=ledger.TRAINED_FIELDS)
+    if hasattr(backend, "load_tensors"):
+        backend.load_tensors({s: load_tensors(found, s) for s in ("weights", "optimizer")})
+
+
+def save_trainer_side(
+    sc: Scenario, mode: str, run_dir: Path, trainer, ledger, backend, version: int, at_start: bool = False
+) -> Optional[Path]:
+    """The trainer's side alone (the ray runtime, where the rollout side lives in another
+    process and keeps going while the trainer restarts)."""
+    if not (at_start or due(sc, version)):
+        return None
+    state = {
+        "format": FORMAT,
+        "side": "trainer",
+        "scenario": scenario_digest(sc),
+        "scenario_name": sc.name,
+        "mode": mode,
+        "sync": None if at_start else {"version": version},
+        "trainer": {"step": trainer.step, "version": trainer.version, "wait_s": trainer.wait_s, "step_info": trainer.step_info},
+        "ledger": ledger.state(),
+    }
+    tensors = backend.tensors() if hasattr(backend, "tensors") else None
+    return save(checkpoint_dir(run_dir, mode), trainer.step, Snapshot(state=state), tensors, keep=sc.checkpoint.keep)

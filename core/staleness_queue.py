@@ -23,7 +23,8 @@ class AsyncStalenessQueue:
     """
 
     def __init__(
-        self, capacity: int, max_staleness: int, impl: type = StalenessQueue, journal: Optional[QueueJournal] = None
+        self, capacity: int, max_staleness: int, impl: type = StalenessQueue,
+        journal: Optional[QueueJournal] = None, durable: bool = False,
     ) -> None:
         self._impl = impl
         self._q = impl(capacity, max_staleness)
@@ -36,6 +37,7 @@ class AsyncStalenessQueue:
         # Durable queue (a journal): groups delivered stay here, unacknowledged, until the
         # trainer's checkpoint covers them; a restarted trainer gets them again, first.
         self.journal = journal
+        self.durable = durable or journal is not None
         self._unacked: list = []
         self._redeliver: deque = deque()
         self._base: Counter = Counter()  # counts carried over from before a restore
@@ -114,8 +116,9 @@ class AsyncStalenessQueue:
         return items
 
     def _delivered(self, items: list) -> None:
-        if self.journal is not None:
+        if self.durable:
             self._unacked.extend(items)
+        if self.journal is not None:
             self.journal.op("got", items, self.version, self._counters_full())
 
     def set_version(self, version: int) -> list:

@@ -112,7 +112,7 @@ def load_model(model_dir: str | Path, **kwargs):
 
     kwargs.setdefault("dtype", torch.float32)
     with _LOAD_LOCK:
-        return Qwen2ForCausalLM.from_pretrained(str(model_dir), **kwargs)
+        return Qwen2ForCausalLM.from_pretrained(str(model_dir), use_safetensors=True, **kwargs)  # never a pickle
 
 
 def load_tokenizer(model_dir: str | Path):

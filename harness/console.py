@@ -94,6 +94,31 @@ def comparison_table(name: str, summary: dict) -> Table:
     return t
 
 
+def faults_table(name: str, summary: dict) -> Table | None:
+    """Every injected fault of every mode and how long its component took to serve again;
+    None when the run injected none."""
+    modes = summary["modes"]
+    if not any(row.get("faults") for row in modes.values()):
+        return None
+    t = Table(
+        title=f"{name}: faults and recoveries", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+        caption="recovered after: until the component served again (a slowdown: until it ended).",
+        caption_justify="left",
+    )
+    for col in ("mode", "fault", "at", "recovered after", "requeued", "lost"):
+        t.add_column(col, justify="left" if col in ("mode", "fault") else "right", no_wrap=True)
+    for mode, row in modes.items():
+        for i, f in enumerate(row.get("faults") or []):
+            after = "-" if f["recovered_s"] is None else _duration(f["recovered_s"] - f["at_s"])
+            last = i == len(row["faults"]) - 1
+            t.add_row(
+                mode if i == 0 else "", f"{f['kind']} {f['target']}", _duration(f["at_s"]), after,
+                _fmt("samples/requeued", row.get("samples/requeued", 0)) if last else "",
+                _fmt("samples/lost", row["samples/lost"]) if last else "",
+            )
+    return t
+
+
 def _fmt(key: str, v) -> str:
     if v is None:
         return "-"

@@ -118,6 +118,8 @@ def summary(sc: Scenario, reports: dict[str, dict]) -> dict:
         row = {k: m[k] for k in SUMMARY_KEYS if k in m}
         thr = m["throughput/trained_samples_per_s"]
         row["speedup_vs_sync"] = thr / base if base else None
+        if rep["series"].get("faults"):
+            row["faults"] = rep["series"]["faults"]
         modes[mode] = row
     return {"schema": SUMMARY_SCHEMA, "scenario_name": sc.name, "seed": sc.seed, "modes": modes}
 

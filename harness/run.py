@@ -28,7 +28,7 @@ from core.driver import RunStopped, run_mode
 from core.run_checkpoint import load_run, scenario_digest
 from core.workers import apply_env
 from harness import report
-from harness.console import ModeProgress, comparison_table, published_table
+from harness.console import ModeProgress, comparison_table, faults_table, published_table
 from harness.gpu_sampler import NvmlSampler
 from harness.plots import reward_png, timeline_png
 from harness.profiler import Profiler
@@ -119,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     for v in variants:
         title = f"{v.scenario.name} {v.label}" if v.label else v.scenario.name
         console.print(comparison_table(title, summaries[v.label]))
+        table = faults_table(title, summaries[v.label])
+        if table is not None:
+            console.print(table)
     if any(v.published for v in variants):
         console.print(published_table(first.name, summary))
     files = ["summary.json", "<mode>/report.json", "<mode>/timeline.png"]
@@ -131,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _resumable_run(sc, args) -> bool:
-    return bool(sc.checkpoint.every) or args.stop_at_step is not None
+    """Written in place, for --resume: a sim or local run with checkpoints. A ray run's
+    checkpoints are its trainer's, for restarts during the run."""
+    return (bool(sc.checkpoint.every) and sc.runtime != "ray") or args.stop_at_step is not None
 
 
 def _check_new_run(variants: list[Variant], out: Path, args) -> None:
@@ -146,8 +151,8 @@ def _check_new_run(variants: list[Variant], out: Path, args) -> None:
             raise ScenarioError(f"{args.scenario}: a file of variants is not checkpointed; fix: run one variant's settings as its own scenario")
         if sc.runtime == "ray":
             raise ScenarioError(
-                "checkpoint.every: a ray run checkpoints its trainer, which restarts from it while the run goes on, "
-                "but is not resumed as a whole; fix: use runtime sim or local for --stop-at-step and --resume"
+                f"--stop-at-step {args.stop_at_step}: a ray run checkpoints its trainer, which restarts from it while "
+                "the run goes on, but is not resumed as a whole; fix: use runtime sim or local for --stop-at-step and --resume"
             )
         if not sc.checkpoint.every:
             raise ScenarioError(f"--stop-at-step {args.stop_at_step}: the run keeps no checkpoints to resume from; fix: --set checkpoint.every=1")

@@ -181,3 +181,88 @@ def test_real_runtime_settings_are_checked(changes, key):
         with_changes(Scenario(), changes)
     cause = err.value.errors()[0]["ctx"]["error"]
     assert isinstance(cause, ConfigError) and cause.key == key
+
+
+def assert_recovered_run(system) -> dict:
+    """A run with faults: everything accounted for, and it ended where the plan says."""
+    m = collect(system)
+    sc, led = system.scenario, system.ledger
+    assert m["samples/lost"] == 0
+    assert in_flight(system) == 0
+    assert led.produced == led.trained + led.dropped_total
+    assert sum(led._trained_mask) == led.trained  # no uid trained twice (the ledger also refuses it)
+    assert m["staleness/max"] <= m["staleness/bound"]
+    assert system.trainer.step == sc.trainer.steps
+    assert m["trainer/final_version"] == (sc.trainer.steps - 1) // sc.trainer.sync_every
+    assert m["samples/trained"] == sc.trainer.steps * sc.trainer.batch_size
+    return m
+
+
+@pytest.mark.parametrize("mode", ["async", "partial"])
+def test_ray_kills_of_a_rollout_worker_and_the_trainer_lose_nothing(ray_session, tiny_model_dir, mode):
+    """Ray restarts both (max_restarts): the worker's groups are generated again, the trainer
+    goes back to its checkpoint and the queue hands it again what it had been given since."""
+    sc = small(
+        "scenarios/real-cpu-vllm.yaml", tiny_model_dir,
+        **{
+            "trainer.steps": 8, "checkpoint.every": 1, "ray.poll_s": 0.1,
+            "faults": [
+                {"kind": "kill", "target": "rollout_worker", "at_step": 2},
+                {"kind": "kill", "target": "trainer", "at_step": 5},
+            ],
+        },
+    )
+    system = run_mode(sc, mode)
+    m = assert_recovered_run(system)
+    assert m["faults/injected"] == 2 and m["faults/recovered"] == 2
+    # The only worker was generating when it died (rollout runs ahead): its groups came back.
+    assert m["samples/requeued"] > 0
+    kinds = {(r.kind, r.target) for r in system.faults.records}
+    assert kinds == {("kill", "rollout_worker0"), ("kill", "trainer")}
+    assert all(r.recovered_s > r.at_s for r in system.faults.records)
+
+
+def test_ray_hung_and_slow_workers_time_out_and_recover(ray_session, tiny_model_dir):
+    """A generate that never answers is given up on after timeouts.generate_s, the worker is
+    killed and restarted; a slowed worker only costs time."""
+    sc = small(
+        "scenarios/real-cpu-vllm.yaml", tiny_model_dir,
+        **{
+            "trainer.steps": 6, "ray.poll_s": 0.1, "timeouts.generate_s": 15,
+            "faults": [
+                {"kind": "slow", "target": "rollout_worker", "at_step": 1, "factor": 3, "duration_s": 3},
+                {"kind": "hang", "target": "rollout_worker", "at_step": 2, "call": "generate"},
+            ],
+        },
+    )
+    system = run_mode(sc, "async")
+    m = assert_recovered_run(system)
+    assert m["faults/injected"] == 2 and m["faults/recovered"] == 2
+    hang = next(r for r in system.faults.records if r.kind == "hang")
+    assert hang.recovery_s >= 15  # not before the timeout gave up on the call
+
+
+def test_local_run_stopped_and_resumed_accounts_for_every_sample(tiny_model_dir, tmp_path):
+    """The local runtime checkpoints weights and Adam's moments beside the run's state; a
+    run stopped mid-way resumes from them and ends where the plan says."""
+    from core.checkpoint import latest, load_tensors
+    from core.driver import RunStopped
+    from core.run_checkpoint import checkpoint_dir
+    from core.workers import make_backend
+
+    sc = small("scenarios/real-cpu-torch.yaml", tiny_model_dir, modes=["partial"], **{"trainer.steps": 6, "checkpoint.every": 1})
+    with pytest.raises(RunStopped):
+        run_mode(sc, "partial", run_dir=tmp_path, stop_at_step=4)
+    ckpt = latest(checkpoint_dir(tmp_path, "partial"))
+    saved = {stem: load_tensors(ckpt, stem) for stem in ("weights", "optimizer")}
+    assert saved["optimizer"], "Adam's moments are in the checkpoint"
+    backend = make_backend(sc, 1)
+    backend.load_tensors(saved)
+    again = backend.tensors()
+    for stem in saved:
+        assert saved[stem].keys() == again[stem].keys()
+        assert all(np.array_equal(saved[stem][k], again[stem][k]) for k in saved[stem])
+
+    system = run_mode(sc, "partial", run_dir=tmp_path, resume=True)
+    assert_recovered_run(system)
+    assert [i["trainings"] for i in system.trainer.step_info] == [32 * k for k in range(1, 7)]
