@@ -243,7 +243,7 @@ class RolloutHost:
         sc, mode = self.sc, self.mode
         task = make_task(sc)
         proxies = [EngineProxy(name, h, off, pid) for name, h, off, pid in engines]
-        reward = ServeReward(reward_handle) if reward_handle is not None else TaskReward(task)
+        reward = ServeReward(reward_handle, sc.timeouts.control_s) if reward_handle is not None else TaskReward(task)
         workers = Workers(proxies, backend=None, transfer=None, prompts=TaskPrompts(task), reward=reward)
         self.ledger = Ledger(trained_bound(sc, mode), reuse=sc.replay.enabled)
         self.queue = make_queue(sc, mode, self.run_dir)

@@ -7,6 +7,8 @@ the same scoring code runs in Serve replicas (``.options(...)``, ``.bind(...)``,
 
 from __future__ import annotations
 
+import asyncio
+
 from typing import Any
 
 import numpy as np
@@ -71,11 +73,23 @@ class RewardService:
 class ServeReward:
     """The Rollouter's view of the deployment: the same ``score`` as ``TaskReward``."""
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, timeout_s: float) -> None:
         self.handle = handle
+        self.timeout_s = timeout_s
 
     async def score(self, group: Group) -> list[float]:
-        return await self.handle.score.remote(group.prompt_id, [list(s.response_tokens) for s in group.samples])
+        """The deployment's rewards; a replica that fails or does not answer in time is ``WorkerLost``."""
+        from ray.exceptions import RayError
+
+        from core.faults import CallTimeout, WorkerLost
+
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await self.handle.score.remote(group.prompt_id, [list(s.response_tokens) for s in group.samples])
+        except TimeoutError:
+            raise CallTimeout("reward", "score", self.timeout_s, "timeouts.control_s") from None
+        except RayError as exc:
+            raise WorkerLost("reward", "score", f"the deployment failed ({type(exc).__name__})") from None
 
 
 def deploy_reward(sc: Scenario) -> Any:

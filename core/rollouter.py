@@ -223,7 +223,17 @@ class Rollouter:
             self._wake.set()
         if completed:
             if self.reward is not None:
-                for s, value in zip(group.samples, await self.reward.score(group)):
+                try:
+                    rewards = await self.reward.score(group)
+                except WorkerLost as exc:
+                    # The scorer failed or hung: the finished group is scored again (an
+                    # engine returns a finished group at once), never dropped.
+                    log.warning("%s; the group is scored again", exc)
+                    self.retry_queue.append(group)
+                    self.ledger.requeue(group)
+                    self._wake.set()
+                    return
+                for s, value in zip(group.samples, rewards):
                     s.reward = value
             group.finished_at = asyncio.get_running_loop().time()
             if not await self.queue.put(group, group.version):

@@ -866,3 +866,33 @@ def test_config_errors_carry_the_key_and_value():
     with pytest.raises(ValidationError, match=r"faults\.0\.target = 'queue': on the ray runtime"):
         with_changes(sc, {"runtime": "ray", "engine.kind": "vllm", "workload.max_response_len": 64,
                           "faults": [{"kind": "kill", "target": "queue", "at_s": 1.0}]})
+
+
+def test_a_failed_reward_scores_the_finished_group_again_and_loses_nothing():
+    """A reward service that fails (or times out) once: the finished group goes back to the
+    Rollouter, which scores it again without generating it again."""
+
+    class Flaky:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        async def score(self, group):
+            self.calls += 1
+            if self.calls == 1:
+                raise WorkerLost("reward", "score", "the deployment failed")
+            return [1.0] * group.size
+
+    async def main():
+        engine, reward = Fake("fake0"), Flaky()
+        ro = rollouter([engine], reward=reward)
+        run = asyncio.create_task(ro.run())
+        [g] = await ro.queue.get_batch(1)
+        await ro.stop()
+        await run
+        return g, engine.calls, reward.calls, ro
+
+    g, generations, scorings, ro = virtual_clock.run(main())
+    assert scorings == 2 and generations == 2  # the second call finds every sample finished
+    assert [s.reward for s in g.samples] == [1.0, 1.0]
+    assert all(s.n_response == 10 for s in g.samples)  # not generated twice
+    assert ro.ledger.requeued == 2 and ro.in_flight() == 0

@@ -114,7 +114,7 @@ def test_serve_reward_matches_in_process(ray_session, tiny_model_dir):
         groups.append(Group(prompt_id=pid, samples=samples, version=0, admitted_at=0.0))
 
     async def both():
-        served = [await ServeReward(handle).score(g) for g in groups]
+        served = [await ServeReward(handle, 60.0).score(g) for g in groups]
         local = [await TaskReward(task).score(g) for g in groups]
         return served, local
 
