@@ -3,6 +3,9 @@
 #   make test     the whole suite on the compiled extensions, again on the pure-Python
 #                 references (ASYNCRL_PUREPYTHON=1), then the micro-benchmarks
 #   make run      the quickstart scenario
+#   make load     the local-runtime load check, async and partial: a producer ~10x faster
+#                 than the trainer for LOAD_S real seconds each (default 120); queue bound,
+#                 nothing lost, flat RSS
 #   make bench    the micro-benchmarks alone, then the hot paths' targets as measured ratios
 #   make fuzz     atheris over the codec decoder and the checkpoint reader, on both backends:
 #                 FUZZ_RUNS inputs per target and backend (at most FUZZ_MAX_TIME s each);
@@ -20,7 +23,7 @@ FUZZ_RUNS ?= 1000000
 FUZZ_MAX_TIME ?= 1800
 FUZZ_JOBS ?= 1
 
-.PHONY: setup venv build run test bench fuzz clean
+.PHONY: setup venv build run test bench load fuzz clean
 
 setup venv: $(STAMP)
 
@@ -44,6 +47,10 @@ test: $(STAMP)
 	ASYNCRL_PUREPYTHON=0 $(PY) -m pytest tests
 	ASYNCRL_PUREPYTHON=1 $(PY) -m pytest tests
 	$(MAKE) --no-print-directory bench
+
+LOAD_S ?= 120
+load: $(STAMP)
+	ASYNCRL_LOAD_S=$(LOAD_S) ASYNCRL_LOAD_MODES=async,partial $(PY) -m pytest tests/test_load.py -k local -s -q
 
 bench: $(STAMP)
 	mkdir -p .benchmarks
