@@ -205,9 +205,10 @@ def test_ray_kills_of_a_rollout_worker_and_the_trainer_lose_nothing(ray_session,
     sc = small(
         "scenarios/real-cpu-vllm.yaml", tiny_model_dir,
         **{
-            "trainer.steps": 8, "checkpoint.every": 1, "ray.poll_s": 0.1,
+            # A step that no sync follows: rollout runs ahead then, so the worker dies mid-generation.
+            "trainer.steps": 8, "trainer.sync_every": 2, "checkpoint.every": 1, "ray.poll_s": 0.1,
             "faults": [
-                {"kind": "kill", "target": "rollout_worker", "at_step": 2},
+                {"kind": "kill", "target": "rollout_worker", "at_step": 1},
                 {"kind": "kill", "target": "trainer", "at_step": 5},
             ],
         },
