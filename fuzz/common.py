@@ -175,3 +175,19 @@ def same_arrays(a: dict, b: dict) -> bool:
     if list(a) != list(b):
         return False
     return all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and a[k].tobytes() == b[k].tobytes() for k in a)
+
+
+def fuzz(target: str, setup, test_one_input, argv: list[str] | None = None) -> None:
+    """Run one target under libFuzzer: ``core``/``ext`` instrumented as ``setup`` imports
+    them, half of the mutations structural (``fuzz/mutate.py``)."""
+    import sys
+
+    import atheris
+
+    with atheris.instrument_imports(include=["core", "ext"]):
+        setup()
+    from fuzz.mutate import custom_mutator
+
+    mutator = custom_mutator(target, lambda data, max_size: atheris.Mutate(data, max_size))
+    atheris.Setup(sys.argv if argv is None else argv, test_one_input, custom_mutator=mutator)
+    atheris.Fuzz()

@@ -13,8 +13,6 @@ size and every record's checksum, or not). Backends as in fuzz/fuzz_codec.py.
 
 from __future__ import annotations
 
-import sys
-
 from fuzz import common
 
 checkpoint = group_wire = None
@@ -45,15 +43,7 @@ def TestOneInput(data: bytes) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import atheris
-
-    with atheris.instrument_imports(include=["core", "ext"]):
-        setup()
-    from fuzz.mutate import custom_mutator
-
-    mutator = custom_mutator("fuzz_checkpoint", lambda data, max_size: atheris.Mutate(data, max_size))
-    atheris.Setup(sys.argv if argv is None else argv, TestOneInput, custom_mutator=mutator)
-    atheris.Fuzz()
+    common.fuzz("fuzz_checkpoint", setup, TestOneInput, argv)
 
 
 if __name__ == "__main__":

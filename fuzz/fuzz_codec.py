@@ -17,8 +17,6 @@ instrumentation), so coverage feedback comes from the Python code around it only
 
 from __future__ import annotations
 
-import sys
-
 from fuzz import common
 
 codec = group_wire = CodecError = None
@@ -56,15 +54,7 @@ def TestOneInput(data: bytes) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import atheris
-
-    with atheris.instrument_imports(include=["core", "ext"]):
-        setup()
-    from fuzz.mutate import custom_mutator
-
-    mutator = custom_mutator("fuzz_codec", lambda data, max_size: atheris.Mutate(data, max_size))
-    atheris.Setup(sys.argv if argv is None else argv, TestOneInput, custom_mutator=mutator)
-    atheris.Fuzz()
+    common.fuzz("fuzz_codec", setup, TestOneInput, argv)
 
 
 if __name__ == "__main__":
