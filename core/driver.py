@@ -386,7 +386,7 @@ def strike(system: System, fault, record) -> None:
         if fault.kind == "kill":
             engine.crash(sc.recovery.engine_restart_s)
             # Its supervisor sees the process die at once (an idle worker too), and restarts it.
-            system.rollouter._lost(fault.worker, WorkerLost(engine.name, "process", "killed"))
+            system.rollouter.worker_lost(fault.worker, WorkerLost(engine.name, "process", "killed"))
         elif fault.kind == "slow":
             engine.set_slowdown(fault.factor)
             _end_slowdown(system, fault, loop.time() + fault.duration_s)

@@ -279,7 +279,7 @@ class RolloutHost:
         if kind == "kill":
             proxy.kill()
             # Ray reports the process gone at once; an idle worker is restarted right away too.
-            self.rollouter._lost(worker, WorkerLost(proxy.name, "process", "killed"))
+            self.rollouter.worker_lost(worker, WorkerLost(proxy.name, "process", "killed"))
         elif kind == "slow":
             await proxy.handle.slow.remote(factor, duration_s)
             loop.call_later(duration_s, lambda: self.faults.recovered(target, loop.time(), ("slow",)))

@@ -206,7 +206,7 @@ class Rollouter:
             # What it generated died with it; what this process holds is generated again.
             self.retry_queue.append(group)
             self.ledger.requeue(group)
-            self._lost(i, exc)
+            self.worker_lost(i, exc)
             return
         except asyncio.CancelledError:
             # An engine that cancels its own stream on abort must not leak the cancellation:
@@ -246,7 +246,7 @@ class Rollouter:
             self.cancel_queue.append(group)
 
     # -- lost workers -------------------------------------------------------------------------
-    def _lost(self, i: int, exc: BaseException) -> None:
+    def worker_lost(self, i: int, exc: BaseException) -> None:
         """Worker ``i`` died or stopped answering: route around it until it is back."""
         self._wake.set()
         if i in self._down:
@@ -270,7 +270,7 @@ class Rollouter:
         except WorkerLost as exc:
             self._recovering.pop(i, None)
             self._down.discard(i)
-            self._lost(i, exc)  # lost again while coming back: another restart
+            self.worker_lost(i, exc)  # lost again while coming back: another restart
             return
         except RestartsExhausted as exc:
             self._failure = exc
@@ -287,7 +287,7 @@ class Rollouter:
         results = await asyncio.gather(*(getattr(self.engines[i], call)(*args) for i in up), return_exceptions=True)
         for i, r in zip(up, results):
             if isinstance(r, WorkerLost):
-                self._lost(i, r)
+                self.worker_lost(i, r)
             elif isinstance(r, BaseException):
                 raise r
 
@@ -310,7 +310,7 @@ class Rollouter:
             try:
                 await e.abort_all()
             except WorkerLost as exc:
-                self._lost(i, exc)
+                self.worker_lost(i, exc)
 
     async def update_weights(self, version: int, weights: Any = None) -> None:
         """Every live engine loads ``weights`` (concurrently; one being restarted loads them once
@@ -349,6 +349,20 @@ class Rollouter:
         self.retry_queue.clear()
         self.cancel_queue.clear()
         return left
+
+    def recovering(self) -> bool:
+        """A worker is being restarted (a checkpoint now would not be of a quiet rollout)."""
+        return bool(self._down)
+
+    def state(self) -> dict:
+        """What a checkpoint keeps besides the groups (taken while paused, nothing running)."""
+        return {"version": self.version, "admitted": self.admitted, "next_prompt": self._next_prompt}
+
+    def restore(self, state: dict, interrupted: list[Group], retry: list[Group], paused: bool) -> None:
+        self.version, self.admitted, self._next_prompt = state["version"], state["admitted"], state["next_prompt"]
+        self._paused = paused
+        self.cancel_queue.extend(interrupted)
+        self.retry_queue.extend(retry)
 
     def in_flight(self) -> int:
         """Samples held here: generating, interrupted, or waiting to be generated again."""

@@ -64,7 +64,7 @@ def capture(system: "System", version: int, t0: float, t1: float, at_start: bool
         "param_sync": {"pause_s": ps.pause_s, "drain_s": ps.drain_s, "transfer_s": ps.transfer_s},
         "ledger": system.ledger.state(),
         "timeline": {w: rows for w, rows in system.timeline.spans.items()},
-        "rollouter": {"version": ro.version, "admitted": ro.admitted, "next_prompt": ro._next_prompt},
+        "rollouter": ro.state(),
         "queue": {"version": q.version, "counters": q.counters()},
         "engines": engines,
         "backend": {"compute_s": system.train_backend.compute_s, "flops": getattr(system.train_backend, "flops", 0.0)},
@@ -86,7 +86,7 @@ def save_run(system: "System", version: int, t0: float, t1: float, at_start: boo
     if system.run_dir is None or not (at_start or due(sc, version)):
         return None
     ro = system.rollouter
-    if ro._down or system.queue.is_down():
+    if ro.recovering() or system.queue.is_down():
         log.info("checkpoint at version %d skipped: a component is being restarted", version)
         return None
     snap = capture(system, version, t0, t1, at_start)
@@ -150,10 +150,8 @@ def _restore(system: "System", path: Path, snap: Snapshot) -> Optional[tuple[int
     for w, rows in st["timeline"].items():
         system.timeline.spans[w] = rows
     r = st["rollouter"]
-    ro.version, ro.admitted, ro._next_prompt = r["version"], r["admitted"], r["next_prompt"]
-    ro._paused = st["sync"] is not None  # restored inside a sync: the sync's end resumes it
-    ro.cancel_queue.extend(snap.groups["interrupted"])
-    ro.retry_queue.extend(snap.groups["retry"])
+    # Restored inside a sync: the sync's end resumes it.
+    ro.restore(r, snap.groups["interrupted"], snap.groups["retry"], paused=st["sync"] is not None)
     stateful = [e for e in system.engines if hasattr(e, "restore")]
     if len(stateful) != len(st["engines"]):
         raise ValueError(f"{len(st['engines'])} engine states for {len(stateful)} engines")

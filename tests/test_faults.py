@@ -796,7 +796,7 @@ def test_a_worker_back_during_a_sync_loads_the_new_version():
     async def main():
         a, b = Fake("a", update_s=10.0), Fake("b", restart_s=5.0)
         ro = rollouter([a, b])
-        ro._lost(1, WorkerLost("b", "generate", "died"))
+        ro.worker_lost(1, WorkerLost("b", "generate", "died"))
         await ro.update_weights(1)
         await asyncio.sleep(1.0)
         return a.version, b.version, ro._down, ro.version
