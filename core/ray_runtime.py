@@ -58,6 +58,12 @@ def _ray():
     return ray
 
 
+def _died() -> tuple[type, ...]:
+    """What a call raises when its actor is dead or being restarted."""
+    ex = _ray().exceptions
+    return ex.RayActorError, ex.ActorUnavailableError
+
+
 def start_cluster(sc: Scenario) -> bool:
     """Connect to ``ray.address``, or start a local instance; True if this call started it.
     An instance already connected in this process (a test session's) is reused."""
@@ -176,10 +182,9 @@ class EngineProxy:
 
     async def _remote(self, call: str, *args: Any) -> Any:
         """A call to the actor; its death (or a restart in progress) is ``WorkerLost``."""
-        ray = _ray()
         try:
             return await getattr(self.handle, call).remote(*args)
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+        except _died() as exc:
             self.dead = True
             raise WorkerLost(self.name, call, f"the actor died ({type(exc).__name__})") from None
 
@@ -207,13 +212,12 @@ class EngineProxy:
 
     async def recover(self) -> None:
         """Kill a hung actor, wait for Ray to bring a new process up, start its engine."""
-        ray = _ray()
         if not self.dead:
             self.kill()
         while True:
             try:
                 pid = await self.handle.pid.remote()
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+            except _died():
                 pid = None
             if pid is not None and pid != self.pid:
                 break
@@ -562,7 +566,7 @@ def _restart_trainer(trainer: Any, old_pid: int, off_rollout: float, sc: Scenari
             pid = ray.get(trainer.pid.remote(), timeout=sc.timeouts.control_s)
             if pid != old_pid:
                 break
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+        except (*_died(), ray.exceptions.GetTimeoutError):
             pass
         if time.monotonic() > deadline:
             raise RuntimeError(
@@ -616,7 +620,7 @@ def run_ray(
 
 def _run_ray(sc: Scenario, mode: str, on_step, on_processes, run_dir: str) -> System:
     ray = _ray()
-    died = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+    died = _died()
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

@@ -60,7 +60,7 @@ def capture(system: "System", version: int, t0: float, t1: float, at_start: bool
         "mode": system.mode,
         "clock": asyncio.get_running_loop().time(),
         "sync": None if at_start else {"version": version, "t0": t0, "t1": t1},
-        "trainer": {"step": tr.step, "version": tr.version, "wait_s": tr.wait_s, "step_info": tr.step_info},
+        "trainer": tr.state(),
         "param_sync": {"pause_s": ps.pause_s, "drain_s": ps.drain_s, "transfer_s": ps.transfer_s},
         "ledger": system.ledger.state(),
         "timeline": {w: rows for w, rows in system.timeline.spans.items()},
@@ -140,9 +140,7 @@ def _restore(system: "System", path: Path, snap: Snapshot) -> Optional[tuple[int
     if set_clock is not None:
         set_clock(st["clock"])
     tr, ro, ps = system.trainer, system.rollouter, system.param_sync
-    t = st["trainer"]
-    tr.step, tr.version, tr.wait_s, tr.step_info = t["step"], t["version"], t["wait_s"], t["step_info"]
-    tr.holding = list(snap.groups["holding"])
+    tr.restore(st["trainer"], snap.groups["holding"])
     p = st["param_sync"]
     ps.pause_s, ps.drain_s, ps.transfer_s = p["pause_s"], p["drain_s"], p["transfer_s"]
     system.ledger.restore(st["ledger"])
@@ -163,7 +161,7 @@ def _restore(system: "System", path: Path, snap: Snapshot) -> Optional[tuple[int
     be.compute_s = st["backend"]["compute_s"]
     if hasattr(be, "load_tensors"):
         be.flops = st["backend"]["flops"]
-        be.load_tensors({s: load_tensors(path, s) for s in ("weights", "optimizer")})
+    _load_backend(be, path)
     f = st["faults"]
     system.plan.fired.update(f["fired"])
     system.faults.records[:] = FaultLog.from_state(f["records"]).records
@@ -184,14 +182,16 @@ def restore_trainer_side(trainer, ledger, backend, run_dir: Path, mode: str) -> 
     found = latest(checkpoint_dir(run_dir, mode))
     if found is None:
         raise RuntimeError("the trainer died before its first checkpoint; fix: checkpoint.every: 1")
-    snap = load(found)
-    st = snap.state
-    t = st["trainer"]
-    trainer.step, trainer.version, trainer.step_info = t["step"], t["version"], t["step_info"]
-    trainer.holding = []
+    st = load(found).state
+    trainer.restore(st["trainer"], [], wait_s=False)
     ledger.restore(st["ledger"], fields=ledger.TRAINED_FIELDS)
+    _load_backend(backend, found)
+
+
+def _load_backend(backend, path: Path) -> None:
+    """A real backend's weights and optimizer from a checkpoint (the sim's has none)."""
     if hasattr(backend, "load_tensors"):
-        backend.load_tensors({s: load_tensors(found, s) for s in ("weights", "optimizer")})
+        backend.load_tensors({s: load_tensors(path, s) for s in ("weights", "optimizer")})
 
 
 def save_trainer_side(
@@ -208,7 +208,7 @@ def save_trainer_side(
         "scenario_name": sc.name,
         "mode": mode,
         "sync": None if at_start else {"version": version},
-        "trainer": {"step": trainer.step, "version": trainer.version, "wait_s": trainer.wait_s, "step_info": trainer.step_info},
+        "trainer": trainer.state(),
         "ledger": ledger.state(),
     }
     tensors = backend.tensors() if hasattr(backend, "tensors") else None

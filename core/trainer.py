@@ -81,6 +81,18 @@ class Trainer:
         # What the backend said of each step, with when it ended and the trainings so far.
         self.step_info: list[dict] = []
 
+    def state(self) -> dict:
+        """What a checkpoint keeps of the trainer (its holding goes in as groups)."""
+        return {"step": self.step, "version": self.version, "wait_s": self.wait_s, "step_info": self.step_info}
+
+    def restore(self, state: dict, holding: list[Group], wait_s: bool = True) -> None:
+        """Back to ``state``; ``wait_s=False`` keeps the time waited so far (a restarted
+        trainer's waits happened, a resumed run's counter is the checkpoint's)."""
+        self.step, self.version, self.step_info = state["step"], state["version"], state["step_info"]
+        if wait_s:
+            self.wait_s = state["wait_s"]
+        self.holding = list(holding)
+
     async def run(self, before: Optional[Callable[[], Awaitable[None]]] = None) -> None:
         """Train until ``steps``; ``before`` runs first (a resumed trainer finishes its sync)."""
         loop = asyncio.get_running_loop()
