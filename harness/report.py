@@ -11,6 +11,7 @@ from importlib import metadata
 from pathlib import Path
 
 from core.bound import pipeline_bound
+from core.checkpoint import write_atomic
 from core.config import Scenario
 from core.driver import System
 from core.metrics import collect, series
@@ -124,12 +125,9 @@ def summary(sc: Scenario, reports: dict[str, dict]) -> dict:
     return {"schema": SUMMARY_SCHEMA, "scenario_name": sc.name, "seed": sc.seed, "modes": modes}
 
 
-def json_text(data: dict) -> str:
-    return json.dumps(data, indent=2, sort_keys=False) + "\n"
-
-
 def write_json(path: Path, data: dict) -> None:
-    path.write_text(json_text(data))
+    """Written whole or not at all: a run directory a crash leaves behind is resumed from."""
+    write_atomic(path, (json.dumps(data, indent=2, sort_keys=False) + "\n").encode())
 
 
 def read_json(path: Path) -> dict:

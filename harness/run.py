@@ -23,7 +23,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.logging import RichHandler
 
-from core.checkpoint import CheckpointError, write_atomic
+from core.checkpoint import CheckpointError
 from core.driver import RunStopped, run_mode
 from core.run_checkpoint import load_run, scenario_digest
 from core.workers import apply_env
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             if out.exists():
                 shutil.rmtree(out)
             out.mkdir(parents=True)
-            write_atomic(out / SCENARIO_FILE, (report.json_text(first.model_dump(mode="json"))).encode())
+            report.write_json(out / SCENARIO_FILE, first.model_dump(mode="json"))
         staging = out
     else:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -102,10 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             summary = summaries[None]
         else:
             summary = report.variants_summary(first, {v.label: (summaries[v.label], v.published) for v in variants})
-        if in_place:
-            write_atomic(staging / "summary.json", (report.json_text(summary)).encode())
-        else:
-            report.write_json(staging / "summary.json", summary)
+        report.write_json(staging / "summary.json", summary)
+        if not in_place:
             if out.exists():
                 shutil.rmtree(out)
             staging.rename(out)
@@ -228,7 +226,7 @@ def _run_modes(
             (where / mode / "queue.journal").unlink(missing_ok=True)  # the run's, not the report's
             rep = report.build(sc, system, env, gpu.summary())
             reports[mode] = rep
-            write_atomic(where / mode / "report.json", report.json_text(rep).encode())
+            report.write_json(where / mode / "report.json", rep)
             if sc.report.timeline and plots:
                 timeline_png(system, where / mode / "timeline.png", sc.report.timeline_rows)
                 if system.trainer.step_info and "reward_mean" in system.trainer.step_info[0]:
