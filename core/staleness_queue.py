@@ -145,8 +145,7 @@ class AsyncStalenessQueue:
         compact the journal to the contents."""
         self._unacked.clear()
         if self.journal is not None:
-            queued = self.contents()[len(self._redeliver):]
-            self.journal.rewrite(queued, list(self._redeliver), self.version, self._counters_full())
+            self.journal.rewrite(self._peek(), list(self._redeliver), self.version, self._counters_full())
 
     def redeliver(self) -> int:
         """A restarted trainer lost what it was given since its checkpoint: give it again, first."""
@@ -164,10 +163,14 @@ class AsyncStalenessQueue:
 
     def contents(self) -> list:
         """The queued items, oldest first, left in place (groups to deliver again first)."""
+        return list(self._redeliver) + self._peek()
+
+    def _peek(self) -> list:
+        # ext.squeue has no peek: pop everything and put it back, counts unchanged.
         items = self._q.get_batch(len(self._q))
         self._q.put_many(items, [g.version for g in items])
         self._base.update({"put": -len(items), "got": -len(items)})
-        return list(self._redeliver) + items
+        return items
 
     def is_down(self) -> bool:
         return self._down is not None
