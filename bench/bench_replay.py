@@ -16,16 +16,37 @@ float32; capacity 1,000,000; batches of 256 (and single rows). Implementations:
 Groups: ``add 256`` and ``add 1`` (uniform buffers, already full, so every write overwrites
 old rows and no page is touched for the first time), ``add 256 prioritized``, ``sample 256
 uniform``, ``sample 256 prioritized`` (full buffers with random priorities), ``update
-priorities 256`` with new random priorities every call, for the slots a sample returned (the
-PER training loop) and for uniformly random slots. Inputs cycle through a pool of distinct
-batches, except ``add 1``, which adds one and the same row (to the next slot) every call. A buffer is filled once per
-implementation and kind (module-scoped fixtures, torn down before the next: each holds ~520 MB).
+priorities 256`` for the slots a sample returned (the PER training loop) and for uniformly
+random slots. A buffer is filled once per implementation and kind (module-scoped fixtures,
+torn down before the next: each holds ~520 MB).
+
+Inputs are drawn the way a training loop draws them: no call reuses the inputs of an earlier
+one (slots, priorities, rows), so no implementation skips work on a value that did not change
+or finds its tree paths still in cache from the last time. (Cycling 16 slot/priority sets, as
+these benchmarks once did, made cpprb's random-slot update ~6x faster by min time than on
+fresh inputs and ours ~2x, on one machine: numbers for inputs no training loop produces.)
+
+* ``update priorities 256``: every round gets fresh priorities (uniform in [0.01, 10.01)) for
+  fresh slots, the ones ``sample(256)`` of the same buffer returns just before (sorted, as
+  stratified draws come out) or 256 drawn uniformly at random; both made outside the timing.
+* ``add 256``, ``add 256 prioritized``: a fresh batch of random rows every round, made outside
+  the timing. The prioritized buffer starts with random priorities and the group makes fewer
+  than CAPACITY / 256 adds, so every add replaces random priorities with the running maximum
+  (after a full wrap every slot would already hold the maximum).
+* ``add 1``: rows of a pre-generated stream of distinct rows, walked front to back and never
+  wrapped (the stream has one row per call made; running out fails the benchmark). At well
+  under a microsecond a call, making a row per call outside the timing would add a timer
+  call to every measured call.
+* ``sample``: every call draws new slots from the buffer's own generator.
+
+The add and update benchmarks run a fixed number of rounds (``benchmark.pedantic``), since their
+inputs are counted out in advance; ``--benchmark-max-time`` and ``--benchmark-min-rounds`` do
+not apply to them.
 """
 
 from __future__ import annotations
 
 import importlib
-import itertools
 import os
 
 import numpy as np
@@ -45,7 +66,13 @@ SPEC = {
     "done": ((), np.float32),
 }
 CPPRB_ENV = {"obs": {"shape": 64}, "next_obs": {"shape": 64}, "act": {"dtype": np.int32}, "reward": {}, "done": {}}
-POOL = 16  # distinct input batches / priority sets cycled through, so no call repeats the last
+# Rounds of the benchmarks whose inputs are made per round (outside the timing), after WARMUP.
+ROUNDS = 1000
+WARMUP = 20
+# `add 1`: ADD1_ROUNDS rounds of ADD1_CALLS calls each, after ADD1_WARMUP such rounds.
+ADD1_ROUNDS, ADD1_CALLS, ADD1_WARMUP = 200, 100, 5
+# every prioritized add must replace priorities that are not the running maximum: no wrap
+assert (ROUNDS + WARMUP) * BATCH < CAPACITY
 
 
 def _rows(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
@@ -245,46 +272,56 @@ def prioritized_buffer(request):
     del buf
 
 
-@pytest.fixture(scope="module")
-def batches():
-    rng = np.random.default_rng(2)
-    return [_rows(rng, BATCH) for _ in range(POOL)]
+class Counted:
+    """Fresh inputs per round for ``benchmark.pedantic`` (its ``setup``), counted."""
+
+    def __init__(self, make) -> None:
+        self.make = make
+        self.rounds = 0
+
+    def __call__(self):
+        self.rounds += 1
+        return self.make(), {}
 
 
-@pytest.fixture(scope="module")
-def single_row():
-    return _rows(np.random.default_rng(3), 1)
+def _pedantic(benchmark, target, make_args) -> Counted:
+    """``target(*make_args())`` timed for ROUNDS rounds (after WARMUP), one fresh set of
+    arguments per round, made outside the timing."""
+    setup = Counted(make_args)
+    benchmark.pedantic(target, setup=setup, rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
+    return setup
 
 
-def _cycle(pool):
-    """A C-level callable returning the next item of ``pool`` each time (round robin)."""
-    return itertools.cycle(pool).__next__
+def _priorities(rng: np.random.Generator) -> np.ndarray:
+    return rng.random(BATCH) * 10.0 + 0.01
 
 
 # ---------------------------------------------------------------------------------------------
 
 
 @pytest.mark.benchmark(group="add 256")
-def test_add_256(benchmark, uniform_buffer, batches):
-    nxt = _cycle(batches)
-    add = uniform_buffer.add
-    benchmark(lambda: add(nxt()))
+def test_add_256(benchmark, uniform_buffer):
+    rng = np.random.default_rng(2)
+    _pedantic(benchmark, uniform_buffer.add, lambda: (_rows(rng, BATCH),))
     assert len(uniform_buffer) == CAPACITY
 
 
 @pytest.mark.benchmark(group="add 1")
-def test_add_1(benchmark, uniform_buffer, single_row):
-    # One and the same row each call (it still goes to a new slot): at ~100 ns per call, a
-    # Python-level round robin over inputs would cost as much as the call being measured.
-    benchmark(uniform_buffer.add, single_row)
+def test_add_1(benchmark, uniform_buffer):
+    calls = (ADD1_ROUNDS + ADD1_WARMUP) * ADD1_CALLS + 1  # + 1: pedantic's call for the result
+    stream = _rows(np.random.default_rng(3), calls)
+    rows = [{k: v[i : i + 1] for k, v in stream.items()} for i in range(calls)]
+    nxt = iter(rows).__next__  # a C-level callable; StopIteration if the stream runs out
+    add = uniform_buffer.add
+    benchmark.pedantic(lambda: add(nxt()), rounds=ADD1_ROUNDS, warmup_rounds=ADD1_WARMUP, iterations=ADD1_CALLS)
     assert len(uniform_buffer) == CAPACITY
 
 
 @pytest.mark.benchmark(group="add 256 prioritized")
-def test_add_256_prioritized(benchmark, prioritized_buffer, batches):
-    nxt = _cycle(batches)
-    add = prioritized_buffer.add
-    benchmark(lambda: add(nxt()))
+def test_add_256_prioritized(benchmark, prioritized_buffer):
+    rng = np.random.default_rng(2)
+    setup = _pedantic(benchmark, prioritized_buffer.add, lambda: (_rows(rng, BATCH),))
+    assert setup.rounds * BATCH < CAPACITY  # no wrap: every add replaced random priorities
     assert len(prioritized_buffer) == CAPACITY
 
 
@@ -303,24 +340,23 @@ def test_sample_prioritized(benchmark, prioritized_buffer):
 
 @pytest.mark.benchmark(group="update priorities 256 (sampled slots)")
 def test_update_priorities_sampled(benchmark, prioritized_buffer):
-    """The PER training loop: new priorities for the slots the buffer's own sample returned
-    (stratified draws, so the slots come out sorted)."""
+    """The PER training loop: new priorities for the slots the buffer's own sample just
+    returned (stratified draws, so the slots come out sorted)."""
     rng = np.random.default_rng(4)
-    pool = [
-        (np.asarray(prioritized_buffer.sample(BATCH, BETA)[1]), rng.random(BATCH) * 10.0 + 0.01) for _ in range(POOL)
-    ]
-    nxt = _cycle(pool)
-    update = prioritized_buffer.update_priorities
-    benchmark(lambda: update(*nxt()))
+    sample = prioritized_buffer.sample
+
+    def fresh():
+        return np.asarray(sample(BATCH, BETA)[1]), _priorities(rng)
+
+    _pedantic(benchmark, prioritized_buffer.update_priorities, fresh)
 
 
 @pytest.mark.benchmark(group="update priorities 256 (random slots)")
 def test_update_priorities_random(benchmark, prioritized_buffer):
     """Slots drawn uniformly at random (unsorted), new priorities every call."""
     rng = np.random.default_rng(5)
-    pool = [
-        (rng.integers(0, CAPACITY, BATCH, dtype=np.int64), rng.random(BATCH) * 10.0 + 0.01) for _ in range(POOL)
-    ]
-    nxt = _cycle(pool)
-    update = prioritized_buffer.update_priorities
-    benchmark(lambda: update(*nxt()))
+
+    def fresh():
+        return rng.integers(0, CAPACITY, BATCH, dtype=np.int64), _priorities(rng)
+
+    _pedantic(benchmark, prioritized_buffer.update_priorities, fresh)
