@@ -1,12 +1,13 @@
 # asyncrl: set up, build the Cython hot paths, run, test.
 #
-#   make test     the whole suite on the compiled extensions, again on the pure-Python
-#                 references (ASYNCRL_PUREPYTHON=1), then the micro-benchmarks
+#   make test     the whole suite (tests/) on the compiled extensions, again on the pure-Python
+#                 references (ASYNCRL_PUREPYTHON=1), then every micro-benchmark (bench/)
 #   make run      the quickstart scenario
 #   make load     the local-runtime load check, async and partial: a producer ~10x faster
 #                 than the trainer for LOAD_S real seconds each (default 120); queue bound,
 #                 nothing lost, flat RSS
-#   make bench    the micro-benchmarks alone, then the hot paths' targets as measured ratios
+#   make bench    the micro-benchmarks alone (`pytest --benchmark-only` from the root collects
+#                 bench/ only, see conftest.py), then the hot paths' targets as measured ratios
 #   make fuzz     atheris over the codec decoder and the checkpoint reader, on both backends:
 #                 FUZZ_RUNS inputs per target and backend (at most FUZZ_MAX_TIME s each);
 #                 exits nonzero on a crash (inputs in .fuzz/crashes/)
@@ -43,9 +44,11 @@ build: $(STAMP)
 run: $(STAMP)
 	$(PY) -m harness.run scenarios/quickstart.yaml
 
+# Plain `pytest` from the root collects tests/ only and `pytest --benchmark-only` bench/ only
+# (testpaths and conftest.py); a --benchmark-only run that finds no benchmark fails.
 test: $(STAMP)
-	ASYNCRL_PUREPYTHON=0 $(PY) -m pytest tests
-	ASYNCRL_PUREPYTHON=1 $(PY) -m pytest tests
+	ASYNCRL_PUREPYTHON=0 $(PY) -m pytest
+	ASYNCRL_PUREPYTHON=1 $(PY) -m pytest
 	$(MAKE) --no-print-directory bench
 
 LOAD_S ?= 120
@@ -54,7 +57,7 @@ load: $(STAMP)
 
 bench: $(STAMP)
 	mkdir -p .benchmarks
-	$(PY) -m pytest bench --benchmark-only --benchmark-json=.benchmarks/last.json
+	$(PY) -m pytest --benchmark-only --benchmark-json=.benchmarks/last.json
 	$(PY) bench/targets.py .benchmarks/last.json
 
 fuzz: $(STAMP)

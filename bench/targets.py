@@ -1,6 +1,6 @@
 """The hot paths' performance targets, as ratios from one benchmark run.
 
-    python bench/targets.py               # runs `pytest bench --benchmark-only` first
+    python bench/targets.py               # runs `pytest --benchmark-only` (at the root) first
     python bench/targets.py RUN.json      # a run saved with --benchmark-json
 
 Every ratio compares two implementations measured side by side in the same run, on the same
@@ -16,6 +16,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
@@ -84,8 +86,8 @@ def main(argv: list[str]) -> int:
     else:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "run.json"
-            cmd = [sys.executable, "-m", "pytest", "bench", "--benchmark-only", "-q", f"--benchmark-json={path}"]
-            if subprocess.call(cmd) != 0:
+            cmd = [sys.executable, "-m", "pytest", "--benchmark-only", "-q", f"--benchmark-json={path}"]
+            if subprocess.call(cmd, cwd=ROOT) != 0:  # from the root, pytest collects bench/ only
                 return 1
             run = json.loads(path.read_text())
     machine = run.get("machine_info", {})
