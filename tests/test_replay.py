@@ -303,9 +303,9 @@ def test_stateful_matches_reference(compiled):
 
 
 def test_backend_matches_the_switch():
+    """"1" serves the reference; "0" and unset the compiled module (built wherever this runs)."""
     assert BACKEND == ("ref" if PURE else "ext")
-    if os.environ.get(backend.ENV_VAR, "").strip() == "0":
-        assert ReplayBuffer.__module__ == "ext._replay"
+    assert ReplayBuffer.__module__ == ("ext._replay_ref" if PURE else "ext._replay")
 
 
 def test_chi_square_prioritized_frequencies():
@@ -501,7 +501,43 @@ def test_properties():
     buf = ReplayBuffer(7, {"o": (4, "float32"), "a": ([], int)}, prioritized=True, alpha=1, seed=np.uint64(3))
     assert buf.capacity == 7 and buf.prioritized is True and buf.alpha == 1.0 and buf.seed == 3
     assert buf.spec == {"o": ((4,), np.dtype(np.float32)), "a": ((), np.dtype(int))}
-    assert ReplayBuffer(2, {"o": ((), "f4")}).seed in range(2**64)
+
+
+def _draws(buf, rounds: int = 6, n: int = 20) -> tuple[np.ndarray, np.ndarray]:
+    """Fill ``buf`` (capacity >= 50, one int32 field "x") the same way every time, then the
+    slots and weights of ``rounds`` samples of ``n``."""
+    buf.add({"x": np.arange(50, dtype=np.int32)})
+    if buf.prioritized:
+        buf.update_priorities(np.arange(50), np.linspace(0.5, 7.0, 50))
+    out = [buf.sample(n, 0.5) for _ in range(rounds)]
+    return np.concatenate([o[1] for o in out]), np.concatenate([o[2] for o in out])
+
+
+@pytest.mark.parametrize("prioritized", [False, True])
+def test_an_unseeded_buffer_reports_the_seed_it_draws_with(prioritized):
+    """Without a seed one is drawn from the OS, and ``seed`` is that one: a buffer given it
+    draws exactly the same slots and weights."""
+    spec = {"x": ((), np.int32)}
+    drawn = ReplayBuffer(64, spec, prioritized=prioritized)
+    replay = ReplayBuffer(64, spec, prioritized=prioritized, seed=drawn.seed)
+    assert replay.seed == drawn.seed
+    a, b = _draws(drawn), _draws(replay)
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+    # and the draws depend on it: the next seed draws something else
+    other = _draws(ReplayBuffer(64, spec, prioritized=prioritized, seed=(drawn.seed + 1) % 2**64))
+    assert not np.array_equal(a[0], other[0])
+
+
+@pytest.mark.parametrize("prioritized", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2**32 - 1, 2**32, 2**63, 2**64 - 1, None])
+def test_compiled_and_reference_draw_the_same_for_a_seed(compiled, seed, prioritized):
+    """The generator is part of the contract: for any 64-bit seed (None: one from the OS)
+    both backends draw the same slots and weights, so a seeded run is the same run on either."""
+    spec = {"x": ((), np.int32)}
+    ext = compiled.ReplayBuffer(64, spec, prioritized=prioritized, seed=seed)
+    ref = _replay_ref.ReplayBuffer(64, spec, prioritized=prioritized, seed=ext.seed)
+    got, want = _draws(ext, rounds=20), _draws(ref, rounds=20)
+    assert got[0].tobytes() == want[0].tobytes() and got[1].tobytes() == want[1].tobytes()
 
 
 @pytest.mark.parametrize("prioritized", [False, True])
