@@ -1,7 +1,7 @@
 """The simulated engine's event model against stepping every decode step.
 
 Both compute the finish time of every response of one engine's batch (64 responses with
-lognormal lengths, one group per prompt). ``events`` is ``core.engine_sim.SimEngine`` on the
+lognormal lengths, one group per prompt). ``events`` is ``core.sim.engine.SimEngine`` on the
 virtual clock: it jumps from completion to completion with the closed-form step-time
 integral. ``token steps`` advances one decode step at a time, the way a token-level
 simulator would. The ratio is what lets a 1,000-step, 128-GPU scenario run in seconds.
@@ -12,11 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from core import virtual_clock
-from core.config import Scenario
-from core.costs import DecodeCost
-from core.engine_sim import SimEngine
-from core.sample import Group, Sample
+from core.sim import virtual_clock
+from core.model.config import Scenario
+from core.sim.costs import DecodeCost
+from core.sim.engine import SimEngine
+from core.model.sample import Group, Sample
 from tests.engine_reference import stepped_finish_times
 
 N_GROUPS, GROUP = 4, 16

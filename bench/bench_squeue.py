@@ -38,7 +38,7 @@ from collections import deque
 
 import pytest
 
-from core.staleness_queue import AsyncStalenessQueue
+from core.pipeline.staleness_queue import AsyncStalenessQueue
 from ext import _squeue_ref
 from ext.errors import QueueFull
 

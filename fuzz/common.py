@@ -33,7 +33,8 @@ class FuzzFailure(AssertionError):
 
 def load():
     """Import the modules under test (call inside ``atheris.instrument_imports``)."""
-    from core import checkpoint, group_wire  # noqa: F401
+    from core.model import group_wire  # noqa: F401
+    from core.store import checkpoint  # noqa: F401
     from ext import codec  # noqa: F401
 
 
@@ -95,7 +96,7 @@ def seed_groups() -> list:
     times, empty token lists, a group of none."""
     import numpy as np
 
-    from core.sample import Group, Sample
+    from core.model.sample import Group, Sample
 
     prompt = np.arange(5, dtype=np.int32)
     rich = []
@@ -121,7 +122,7 @@ def seed_snapshots() -> list:
     arrays of several dtypes, and one without groups or arrays."""
     import numpy as np
 
-    from core.checkpoint import SLOTS, Snapshot
+    from core.store.checkpoint import SLOTS, Snapshot
 
     g = seed_groups()
     full = Snapshot(
@@ -136,8 +137,8 @@ def seed_snapshots() -> list:
 
 def seeds() -> dict[str, list[bytes]]:
     """Seed inputs (control byte included) per target name."""
-    from core.checkpoint import encode
-    from core.group_wire import encode_group
+    from core.store.checkpoint import encode
+    from core.model.group_wire import encode_group
 
     groups = [encode_group(g) for g in seed_groups()]
     ckpts = [encode(s) for s in seed_snapshots()]

@@ -1,9 +1,9 @@
-"""atheris target: ``core.checkpoint.decode``, the reader of checkpoint files.
+"""atheris target: ``core.store.checkpoint.decode``, the reader of checkpoint files.
 
     .venv/bin/python -m fuzz.fuzz_checkpoint CORPUS_DIR [SEED_DIR ...] [-runs=N] [libFuzzer flags]
 
 (``make fuzz`` drives it through fuzz/run.py.) The only exception ``decode`` may raise is
-``core.checkpoint.CheckpointError``; anything else escapes and is a crash. On success,
+``core.store.checkpoint.CheckpointError``; anything else escapes and is a crash. On success,
 ``encode(snapshot)`` decodes again to an equal snapshot (state, arrays, groups by slot), and
 encoding that gives the same bytes.
 
@@ -22,7 +22,8 @@ def setup() -> None:
     """Bind the modules under test (imported here so ``main`` can instrument them first)."""
     global checkpoint, group_wire
     common.load()
-    from core import checkpoint, group_wire
+    from core.model import group_wire
+    from core.store import checkpoint
 
 
 def TestOneInput(data: bytes) -> None:

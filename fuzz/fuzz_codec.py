@@ -1,4 +1,4 @@
-"""atheris target: ``ext.codec.decode`` and ``core.group_wire.decode_group`` on the same bytes.
+"""atheris target: ``ext.codec.decode`` and ``core.model.group_wire.decode_group`` on the same bytes.
 
     .venv/bin/python -m fuzz.fuzz_codec CORPUS_DIR [SEED_DIR ...] [-runs=N] [libFuzzer flags]
 
@@ -26,7 +26,7 @@ def setup() -> None:
     """Bind the modules under test (imported here so ``main`` can instrument them first)."""
     global codec, group_wire, CodecError
     common.load()
-    from core import group_wire
+    from core.model import group_wire
     from ext import codec
     from ext.errors import CodecError
 

@@ -187,7 +187,7 @@ def split_checkpoint(buf: bytes) -> Optional[list[bytes]]:
 
 
 def join_checkpoint(records: list[bytes]) -> bytes:
-    from core.checkpoint import FORMAT_VERSION, MAGIC
+    from core.store.checkpoint import FORMAT_VERSION, MAGIC
 
     payload = b"".join(_FRAME.pack(len(r)) + r for r in records)
     return _CKPT_HEAD.pack(MAGIC, FORMAT_VERSION, 0, len(records), len(payload)) + payload

@@ -10,8 +10,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from core.driver import System  # noqa: E402
-from core.timeline import GENERATE, SYNC, TRAIN  # noqa: E402
+from core.model.result import RunResult  # noqa: E402
+from core.model.timeline import GENERATE, SYNC, TRAIN  # noqa: E402
 
 COLORS = {GENERATE: "#2a9d8f", TRAIN: "#264653", SYNC: "#e76f51"}
 IDLE = "#eeeeee"
@@ -25,18 +25,18 @@ def _zoom(syncs: list, end: float, versions: int = 4) -> tuple[float, float]:
     return syncs[i - 1][2], syncs[i + versions - 1][2]
 
 
-def timeline_png(system: System, path: Path, max_rows: int) -> None:
+def timeline_png(result: RunResult, path: Path, max_rows: int) -> None:
     """Top: one row per worker over a few versions of steady state (idle is the grey background;
     colocated GPUs train and sync on every row). Bottom: trained samples over the whole run."""
-    tl = system.timeline
-    end = system.end_s
-    engines = [e.name for e in system.engines]
+    tl = result.timeline
+    end = result.end_s
+    engines = [e.name for e in result.engines]
     if len(engines) > max_rows:
         step = len(engines) / max_rows
         engines = [engines[int(i * step)] for i in range(max_rows)]
     trainer_spans = tl.spans.get("trainer", [])
     lo, hi = _zoom([s for s in trainer_spans if s[0] == SYNC], end)
-    colocated = system.placement.colocated
+    colocated = result.placement.colocated
     rows = [] if colocated else [("trainer", trainer_spans)]
     for name in engines:
         spans = list(tl.spans.get(name, []))
@@ -61,23 +61,23 @@ def timeline_png(system: System, path: Path, max_rows: int) -> None:
     ax.set_yticklabels([n for n, _ in rows], fontsize=6)
     ax.invert_yaxis()
     ax.set_xlim(lo, hi)
-    ax.set_xlabel(f"{_clock(system)} (a few sync windows from the middle of the run)", fontsize=8)
-    shown = f"{len(engines)} of {len(system.engines)} engines" if len(engines) < len(system.engines) else f"{len(engines)} engines"
+    ax.set_xlabel(f"{_clock(result)} (a few sync windows from the middle of the run)", fontsize=8)
+    shown = f"{len(engines)} of {len(result.engines)} engines" if len(engines) < len(result.engines) else f"{len(engines)} engines"
     where = "colocated: every GPU generates, then trains" if colocated else "rollout and trainer GPUs apart"
-    ax.set_title(f"{system.scenario.name} / {system.mode}: {shown}, {where}", fontsize=9, loc="left")
+    ax.set_title(f"{result.scenario.name} / {result.mode}: {shown}, {where}", fontsize=9, loc="left")
     ax.legend(
         handles=[Patch(color=c, label=k) for k, c in COLORS.items()] + [Patch(color=IDLE, label="idle")],
         loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=4, frameon=False,
     )
-    ends = system.ledger.step_ends
+    ends = result.ledger.step_ends
     ax2.plot([0] + [t for t, _ in ends], [0] + [n for _, n in ends], color=COLORS[TRAIN])
     ax2.axvspan(lo, hi, color=COLORS[SYNC], alpha=0.15, linewidth=0)
     ax2.set_xlim(0, end)
-    ax2.set_xlabel(f"{_clock(system)}, whole run (shaded: the window above)", fontsize=8)
+    ax2.set_xlabel(f"{_clock(result)}, whole run (shaded: the window above)", fontsize=8)
     ax2.set_ylabel("trained samples", fontsize=8)
-    stale = [tv - gv for _, gv, tv in system.ledger.trained_log]
+    stale = [tv - gv for _, gv, tv in result.ledger.trained_log]
     top = max(stale, default=0)
-    ax3.hist(stale, bins=range(top + 2), weights=system.ledger.group_sizes, color=COLORS[GENERATE], align="left", rwidth=0.8)
+    ax3.hist(stale, bins=range(top + 2), weights=result.ledger.group_sizes, color=COLORS[GENERATE], align="left", rwidth=0.8)
     ax3.set_xticks(range(top + 1))
     ax3.set_xlabel("staleness of trained samples (versions)", fontsize=8)
     ax3.tick_params(labelsize=7)
@@ -86,20 +86,20 @@ def timeline_png(system: System, path: Path, max_rows: int) -> None:
     plt.close(fig)
 
 
-def _clock(system: System) -> str:
-    return "simulated seconds" if system.scenario.runtime == "sim" else "seconds"
+def _clock(result: RunResult) -> str:
+    return "simulated seconds" if result.scenario.runtime == "sim" else "seconds"
 
 
-def reward_png(system: System, path: Path) -> None:
+def reward_png(result: RunResult, path: Path) -> None:
     """Mean reward of each trainer step's batch, against trained samples and against wall
     time; held-out evaluations, when any ran, on the time axis."""
-    info = [i for i in system.trainer.step_info if "reward_mean" in i]
+    info = [i for i in result.trainer.step_info if "reward_mean" in i]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.6))
     a.plot([i["trainings"] for i in info], [i["reward_mean"] for i in info], ".-", color=COLORS[TRAIN], lw=1)
     a.set_xlabel("trained samples")
     a.set_ylabel("mean reward of the step's batch")
     b.plot([i["end_s"] for i in info], [i["reward_mean"] for i in info], ".-", color=COLORS[TRAIN], lw=1, label="trained batches")
-    ev = system.evaluations
+    ev = result.evaluations
     if ev:
         b.plot([e["done_s"] for e in ev], [e["reward_mean"] for e in ev], "o--", color=COLORS[SYNC], label="held-out prompts")
     b.set_xlabel("wall time (s)")
@@ -107,7 +107,7 @@ def reward_png(system: System, path: Path) -> None:
     for ax in (a, b):
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{system.scenario.name} / {system.mode}: reward")
+    fig.suptitle(f"{result.scenario.name} / {result.mode}: reward")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

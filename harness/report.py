@@ -10,11 +10,11 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
-from core.bound import pipeline_bound
-from core.checkpoint import write_atomic
-from core.config import Scenario
-from core.driver import System
-from core.metrics import collect, series
+from core.model.config import Scenario
+from core.model.result import RunResult
+from core.sim.bound import pipeline_bound
+from core.store.checkpoint import write_atomic
+from harness.metrics import collect, series
 from ext import codec, replay, squeue
 
 SCHEMA = "asyncrl.report/1"
@@ -94,20 +94,20 @@ def environment() -> dict:
     }
 
 
-def build(sc: Scenario, system: System, env: dict, gpu: dict | None = None) -> dict:
-    bound = pipeline_bound(sc, system.mode) if sc.runtime == "sim" else None
+def build(sc: Scenario, result: RunResult, env: dict, gpu: dict | None = None) -> dict:
+    bound = pipeline_bound(sc, result.mode) if sc.runtime == "sim" else None
     return {
         "schema": SCHEMA,
         "scenario_name": sc.name,
-        "mode": system.mode,
+        "mode": result.mode,
         "runtime": sc.runtime,
         "seed": sc.seed,
         "scenario": sc.model_dump(mode="json"),
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         **env,
-        "metrics": collect(system, bound, gpu),
+        "metrics": collect(result, bound, gpu),
         "bound": bound.as_dict() if bound else None,
-        "series": series(system),
+        "series": series(result),
     }
 
 

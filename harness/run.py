@@ -23,10 +23,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.logging import RichHandler
 
-from core.checkpoint import CheckpointError
-from core.driver import RunStopped, run_mode
-from core.run_checkpoint import load_run, scenario_digest
-from core.workers import apply_env
+from core.real.workers import apply_env
+from core.runtimes.dispatch import run_mode
+from core.runtimes.inproc import RunStopped
+from core.runtimes.ray import cluster
+from core.runtimes.run_checkpoint import load_run, scenario_digest
+from core.store.checkpoint import CheckpointError
 from harness import report
 from harness.console import ModeProgress, comparison_table, faults_table, published_table
 from harness.gpu_sampler import NvmlSampler
@@ -193,8 +195,6 @@ def _resumable(args) -> tuple[list[Variant], Path, dict]:
 
 def _run_variant(sc, label, where: Path, env: dict, console: Console, plots: bool, profile: bool = False, **kw) -> dict:
     if sc.runtime == "ray":
-        from core.ray_runtime import cluster
-
         with cluster(sc):  # one Ray instance for every mode of the run
             return _run_modes(sc, label, where, env, console, plots, profile, **kw)
     return _run_modes(sc, label, where, env, console, plots, profile, **kw)
@@ -216,7 +216,7 @@ def _run_modes(
             resume = (where / mode / "checkpoints").is_dir()
             try:
                 with NvmlSampler() as gpu:
-                    system = run_mode(
+                    result = run_mode(
                         sc, mode, on_step=progress.on_step, on_processes=on_processes, run_dir=where,
                         resume=resume, stop_at_step=stop_at_step,
                     )
@@ -224,13 +224,13 @@ def _run_modes(
                 if profiler:
                     profiler.stop()
             (where / mode / "queue.journal").unlink(missing_ok=True)  # the run's, not the report's
-            rep = report.build(sc, system, env, gpu.summary())
+            rep = report.build(sc, result, env, gpu.summary())
             reports[mode] = rep
             report.write_json(where / mode / "report.json", rep)
             if sc.report.timeline and plots:
-                timeline_png(system, where / mode / "timeline.png", sc.report.timeline_rows)
-                if system.trainer.step_info and "reward_mean" in system.trainer.step_info[0]:
-                    reward_png(system, where / mode / "reward.png")
+                timeline_png(result, where / mode / "timeline.png", sc.report.timeline_rows)
+                if result.trainer.step_info and "reward_mean" in result.trainer.step_info[0]:
+                    reward_png(result, where / mode / "reward.png")
     return report.summary(sc, {m: reports[m] for m in sc.modes})
 
 

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from core.config import ConfigError, Scenario, set_dotted
+from core.model.config import ConfigError, Scenario, set_dotted
 
 
 class ScenarioError(Exception):
@@ -55,7 +55,7 @@ def _fix_for(err: dict) -> tuple[str, str]:
         return "is not one of the choices", f"use one of {ctx.get('expected')}"
     if kind.startswith(("int_", "float_", "bool_", "string_", "tuple_", "list_", "dict_", "model_")):
         return err["msg"].lower(), "write a value of that type"
-    return err["msg"], "see the field's docstring in core/config.py"
+    return err["msg"], "see the field's docstring in core/model/config.py"
 
 
 def _error_line(exc: ValidationError, origin: dict[str, str]) -> str:

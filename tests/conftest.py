@@ -21,7 +21,7 @@ def ray_session():
     the ray runtime reuses an instance already connected instead of starting its own."""
     import ray
 
-    from core.ray_runtime import ENV_VARS, LOCAL_SYSTEM_CONFIG
+    from core.runtimes.ray import ENV_VARS, LOCAL_SYSTEM_CONFIG
 
     for k, v in ENV_VARS.items():
         os.environ.setdefault(k, v)
@@ -39,6 +39,6 @@ def ray_session():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """The tiny model, built once per session outside the working tree."""
-    from core.tiny_model import ensure
+    from core.real.tiny_model import ensure
 
     return ensure(tmp_path_factory.mktemp("tiny") / "tiny-qwen2")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from core.costs import DecodeCost
+from core.sim.costs import DecodeCost
 
 
 def stepped_finish_times(cost: DecodeCost, prompt: int, lengths, stall: float = 0.0) -> list[float]:

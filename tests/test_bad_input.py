@@ -216,7 +216,7 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_report(stopped_run, tmp_path
     (wall-clock fields aside)."""
     import json
 
-    from core.metrics import WALL_CLOCK_KEYS
+    from harness.metrics import WALL_CLOCK_KEYS
 
     run = tmp_path / "run"
     shutil.copytree(stopped_run, run)

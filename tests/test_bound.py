@@ -3,9 +3,9 @@
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from core.bound import pipeline_bound
-from core.config import Scenario
-from core.driver import run_mode
+from core.sim.bound import pipeline_bound
+from core.model.config import Scenario
+from core.runtimes.dispatch import run_mode
 
 
 @st.composite
@@ -41,7 +41,7 @@ def workloads(draw):
 def test_no_mode_beats_its_bound(sc, mode):
     system = run_mode(sc, mode)
     led = system.ledger
-    # Evictions change the trained set (see core/bound.py); a replay ring always leaves some
+    # Evictions change the trained set (see core/sim/bound.py); a replay ring always leaves some
     # groups untrained, which is what it trades for reuse.
     assume(led.dropped["stale"] + led.dropped["stale_on_arrival"] == 0)
     assume(sc.replay.enabled or led.dropped_total == 0)

@@ -5,12 +5,12 @@ import asyncio
 import numpy as np
 import pytest
 
-from core import virtual_clock
-from core.config import Scenario, with_changes
-from core.costs import DecodeCost
-from core.engine_sim import SimEngine
-from core.sample import Group, Sample
-from core.workload import Workload
+from core.sim import virtual_clock
+from core.model.config import Scenario, with_changes
+from core.sim.costs import DecodeCost
+from core.sim.engine import SimEngine
+from core.model.sample import Group, Sample
+from core.sim.workload import Workload
 from tests.engine_reference import stepped_finish_times
 
 

@@ -20,8 +20,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from core.sample import Group, Sample  # noqa: E402
-from core.timeline import GENERATE, Timeline  # noqa: E402
+from core.model.sample import Group, Sample  # noqa: E402
+from core.model.timeline import GENERATE, Timeline  # noqa: E402
 
 ENGINES = ["torch", "vllm"]
 # Teacher-forced log-probs agree to float32 noise on torch; vLLM's CPU kernels differ more.
@@ -32,7 +32,7 @@ _uids = itertools.count()
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from core.tiny_model import ensure
+    from core.real.tiny_model import ensure
 
     return ensure(tmp_path_factory.mktemp("m") / "tiny")
 
@@ -83,11 +83,11 @@ def engine(request, model_dir, loop):
     timeline = Timeline()
     kw = dict(max_num_seqs=MAX_NUM_SEQS, temperature=1.0, seed=0, threads=2, timeline=timeline)
     if request.param == "torch":
-        from core.engine_torch import TorchEngine
+        from core.real.engine_torch import TorchEngine
 
         eng = TorchEngine("torch0", model_dir, **kw)
     else:
-        from core.engine_vllm import VllmEngine
+        from core.real.engine_vllm import VllmEngine
 
         eng = VllmEngine("vllm0", model_dir, max_model_len=512, **kw)
     loop.run_until_complete(eng.start())

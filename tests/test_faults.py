@@ -24,19 +24,22 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from core import checkpoint, virtual_clock
-from core.checkpoint import CheckpointError, Snapshot
-from core.config import MODES, ConfigError, Scenario, with_changes
-from core.driver import RunStopped, in_flight, run_mode
-from core.engine_sim import SimEngine
-from core.faults import CallTimeout, RestartsExhausted, SupervisedEngine, WorkerLost
-from core.group_wire import to_record
-from core.ledger import Ledger
-from core.metrics import WALL_CLOCK_KEYS, collect, series
-from core.queue_journal import FRAME, QueueJournal
-from core.rollouter import Rollouter
-from core.sample import Group, Sample
-from core.staleness_queue import AsyncStalenessQueue
+from core.sim import virtual_clock
+from core.store import checkpoint
+from core.store.checkpoint import CheckpointError, Snapshot
+from core.model.config import MODES, ConfigError, Scenario, with_changes
+from core.runtimes.dispatch import run_mode
+from core.runtimes.inproc import RunStopped
+from core.sim.engine import SimEngine
+from core.model.faults import CallTimeout, RestartsExhausted, WorkerLost
+from core.pipeline.supervised_engine import SupervisedEngine
+from core.model.group_wire import to_record
+from core.model.ledger import Ledger
+from harness.metrics import WALL_CLOCK_KEYS, collect, series
+from core.store.queue_journal import FRAME, QueueJournal
+from core.pipeline.rollouter import Rollouter
+from core.model.sample import Group, Sample
+from core.pipeline.staleness_queue import AsyncStalenessQueue
 from ext import codec
 from harness.scenario import ScenarioError, load
 
@@ -145,31 +148,31 @@ def watch(monkeypatch):
     return seen
 
 
-def check_run(system, faults: list[dict]) -> dict:
+def check_run(result, faults: list[dict]) -> dict:
     """Everything a run with faults must still get right; returns its metrics."""
-    m = collect(system)
-    led = system.ledger
-    assert system.trainer.step == system.trainer.steps == STEPS
-    assert system.trainer.version == FINAL_VERSION
+    m = collect(result)
+    led = result.ledger
+    assert result.trainer.step == result.scenario.trainer.steps == STEPS
+    assert result.trainer.version == FINAL_VERSION
     assert m["trainer/final_version"] == FINAL_VERSION
     assert m["samples/lost"] == 0
-    assert led.produced == led.trained + led.dropped_total + in_flight(system)
-    assert in_flight(system) == 0
+    assert led.produced == led.trained + led.dropped_total + result.in_flight
+    assert result.in_flight == 0
     # Trained at most once: the ledger raises on a second training; its mask agrees with its count.
     assert sum(led._trained_mask) == led.trained == led.trainings
-    assert led.trained == STEPS * system.scenario.groups_per_step * system.scenario.workload.group_size
+    assert led.trained == STEPS * result.scenario.groups_per_step * result.scenario.workload.group_size
     assert m["staleness/max"] <= m["staleness/bound"]
     assert m["faults/injected"] == len(faults)
-    assert m["faults/recovered"] == m["faults/injected"], system.faults.records
-    assert all(r.recovered_s is not None and r.recovered_s >= r.at_s for r in system.faults.records)
+    assert m["faults/recovered"] == m["faults/injected"], result.faults.records
+    assert all(r.recovered_s is not None and r.recovered_s >= r.at_s for r in result.faults.records)
     assert m["samples/requeued"] == led.requeued
     # A worker no fault killed or hung is never restarted (no call timed out by mistake), and
     # each kill or hang costs at most one restart.
-    hits = [0] * len(system.rollouter.engines)
+    hits = [0] * len(result.engines)
     for f in faults:
         if f.get("target", "rollout_worker") == "rollout_worker" and f["kind"] in ("kill", "hang"):
             hits[f["worker"]] += 1
-    for i, e in enumerate(system.rollouter.engines):
+    for i, e in enumerate(result.engines):
         assert e.restarts <= hits[i], (e.name, e.restarts, faults)
         if any(f["kind"] == "kill" and f.get("target", "rollout_worker") == "rollout_worker" and f["worker"] == i for f in faults):
             assert e.restarts >= 1
@@ -226,7 +229,7 @@ def test_a_kill_and_a_hang_of_one_worker_cost_it_one_restart(no_fsync, tmp_path)
     ]
     system = run_mode(with_changes(base(), {"faults": faults}), "async", run_dir=tmp_path)
     check_run(system, faults)
-    assert system.rollouter.engines[1].restarts == 1
+    assert system.engines[1].restarts == 1
     hang, kill = system.faults.records
     assert hang.recovered_s == kill.recovered_s == pytest.approx(100.0 + 20.0)
 
@@ -646,8 +649,8 @@ def test_recover_past_max_restarts_raises_restarts_exhausted():
 
 def test_a_hung_call_its_caller_gives_up_on_leaves_the_worker_stuck_until_a_restart():
     sc = base()
-    from core.costs import DecodeCost
-    from core.workload import Workload
+    from core.sim.costs import DecodeCost
+    from core.sim.workload import Workload
 
     async def main():
         e = SimEngine("engine000", DecodeCost(sc, 1), Workload(sc.workload, 0), 8)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from core import checkpoint, group_wire
+from core.model import group_wire
+from core.store import checkpoint
 from ext import codec
 from ext.errors import CodecError
 from fuzz import common, fuzz_checkpoint, fuzz_codec, mutate

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.group_wire import KIND, decode_group, encode_group, to_record
-from core.sample import Group, Sample
+from core.model.group_wire import KIND, decode_group, encode_group, to_record
+from core.model.sample import Group, Sample
 from ext import codec
 from ext.errors import CodecError
 
@@ -72,7 +72,7 @@ def test_pickling_a_group_carries_codec_bytes_out_of_band():
     assert len(buffers) == 1
     raw = buffers[0].raw()
     assert bytes(raw) == encode_group(g)  # the one buffer is exactly the codec encoding
-    assert b"core.sample" not in stream  # no class of ours is pickled, only the decoder's name
+    assert b"core.model.sample" not in stream  # no class of ours is pickled, only the decoder's name
     assert_same_group(g, pickle.loads(stream, buffers=buffers))
 
 
@@ -80,7 +80,7 @@ def test_pickling_a_group_carries_codec_bytes_out_of_band():
 def test_every_pickle_protocol_goes_through_the_codec(protocol):
     g = a_group()
     stream = pickle.dumps(g, protocol=protocol)
-    assert b"core.sample" not in stream
+    assert b"core.model.sample" not in stream
     if protocol >= 3:  # protocol 2 spells bytes through latin-1 text
         assert encode_group(g) in stream
     assert_same_group(g, pickle.loads(stream))

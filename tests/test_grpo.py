@@ -1,4 +1,4 @@
-"""The torch GRPO trainer (core/grpo.py): the loss's parts one by one, weight export, and that
+"""The torch GRPO trainer (core/real/grpo.py): the loss's parts one by one, weight export, and that
 the tiny model really learns the task on two CPU cores."""
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from core.config import LearnSpec, TaskSpec
-from core.grpo import TorchTrainBackend, group_advantages, peak_flops
-from core.reward import task_from
-from core.sample import Group, Sample
-from core.task import Task
-from core.tiny_model import ensure
+from core.model.config import LearnSpec, TaskSpec
+from core.api import Batch
+from core.real.grpo import TorchTrainBackend, group_advantages, peak_flops
+from core.real.reward import task_from
+from core.model.sample import Group, Sample
+from core.real.task import Task
+from core.real.tiny_model import ensure
 
 THREADS = 2
 
@@ -115,7 +116,7 @@ def train_loop(
         backend.model.eval()
         batch = sample_groups(backend.model, task, list(range(step * groups, (step + 1) * groups)), n, max_len, temperature, step)
         backend.model.train()
-        hist.append(asyncio.run(backend.train_step(batch, step)))
+        hist.append(asyncio.run(backend.train_step(Batch(batch), step)))
     return backend, hist, time.perf_counter() - t0
 
 
@@ -154,13 +155,13 @@ def test_zero_spread_group_gives_zero_gradient(model_dir):
     gs = _onpolicy_groups(b, model_dir)
     for s in gs[0].samples:
         s.reward = 0.3
-    g0 = _flat(b.gradient([gs[0]]))
+    g0 = _flat(b.gradient(Batch([gs[0]])))
     assert torch.count_nonzero(g0) == 0
     # ...and a zero-spread group changes nothing about the other group's gradient.
-    g1, both = _flat(b.gradient([gs[1]])), _flat(b.gradient(gs))
+    g1, both = _flat(b.gradient(Batch([gs[1]]))), _flat(b.gradient(Batch(gs)))
     assert torch.dot(g1, both) / (g1.norm() * both.norm()) > 0.9999
     before = b.weights()
-    m = asyncio.run(b.train_step([gs[0]], 0))
+    m = asyncio.run(b.train_step(Batch([gs[0]]), 0))
     assert m["updates"] == 0
     after = b.weights()
     assert all(np.array_equal(before[k], after[k]) for k in before)
@@ -174,12 +175,12 @@ def test_is_weight_truncated_at_cap(model_dir):
     for g in gs:
         for s in g.samples:
             s.logprobs = [x - 5.0 for x in s.logprobs]
-    m = asyncio.run(b.train_step(gs, 0))
+    m = asyncio.run(b.train_step(Batch(gs), 0))
     assert m["is_truncated_frac"] == pytest.approx(1.0)
     assert m["is_weight_mean"] == pytest.approx(cap)
     # On-policy the weights are 1 and none is truncated.
     b2 = TorchTrainBackend(model_dir, LearnSpec(is_cap=cap, minibatches=1), threads=THREADS)
-    m2 = asyncio.run(b2.train_step(_onpolicy_groups(b2, model_dir), 0))
+    m2 = asyncio.run(b2.train_step(Batch(_onpolicy_groups(b2, model_dir)), 0))
     assert m2["is_truncated_frac"] == 0.0
     assert m2["is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
 
@@ -187,23 +188,23 @@ def test_is_weight_truncated_at_cap(model_dir):
 def test_decoupled_matches_plain_on_policy(model_dir):
     b = TorchTrainBackend(model_dir, LearnSpec(decoupled=True, minibatches=1), threads=THREADS)
     gs = _onpolicy_groups(b, model_dir)
-    plain, dec = _flat(b.gradient(gs, decoupled=False)), _flat(b.gradient(gs, decoupled=True))
+    plain, dec = _flat(b.gradient(Batch(gs), decoupled=False)), _flat(b.gradient(Batch(gs), decoupled=True))
     assert plain.norm() > 0
     cos = torch.dot(plain, dec) / (plain.norm() * dec.norm())
     assert cos > 0.999
     assert torch.allclose(plain, dec, rtol=1e-3, atol=1e-6)
-    m = asyncio.run(b.train_step(gs, 0))
+    m = asyncio.run(b.train_step(Batch(gs), 0))
     assert np.isfinite(m["loss"]) and m["clip_frac"] == 0.0 and m["updates"] == 1
     # The recompute pass is counted: 4 passes instead of 3.
     p = TorchTrainBackend(model_dir, LearnSpec(decoupled=False, minibatches=1), threads=THREADS)
-    mp = asyncio.run(p.train_step(gs, 0))
+    mp = asyncio.run(p.train_step(Batch(gs), 0))
     assert m["flops"] == pytest.approx(mp["flops"] * 4 / 3)
 
 
 def test_minibatches_make_several_updates(model_dir):
     b = TorchTrainBackend(model_dir, LearnSpec(minibatches=2, decoupled=True), threads=THREADS)
     gs = _onpolicy_groups(b, model_dir, n_groups=4)
-    m = asyncio.run(b.train_step(gs, 0))
+    m = asyncio.run(b.train_step(Batch(gs), 0))
     assert m["updates"] == 2
     assert b.compute_s > 0 and b.flops == m["flops"] and b.params > 0
 
@@ -214,14 +215,14 @@ def test_weights_round_trip(model_dir, tmp_path):
     from transformers import Qwen2ForCausalLM
 
     b = TorchTrainBackend(model_dir, LearnSpec(), threads=THREADS)
-    asyncio.run(b.train_step(_onpolicy_groups(b, model_dir), 0))
+    asyncio.run(b.train_step(Batch(_onpolicy_groups(b, model_dir)), 0))
     w = b.weights()
     with safe_open(str(model_dir / "model.safetensors"), "np") as f:
         assert set(w) == set(f.keys())  # the names save_pretrained writes, tied lm_head once
     assert all(v.dtype == np.float32 for v in w.values())
     # The copies are detached from the live weights.
     w0 = {k: v.copy() for k, v in w.items()}
-    asyncio.run(b.train_step(_onpolicy_groups(b, model_dir, seed=2), 1))
+    asyncio.run(b.train_step(Batch(_onpolicy_groups(b, model_dir, seed=2)), 1))
     assert all(np.array_equal(w0[k], w[k]) for k in w)
 
     other = TorchTrainBackend(model_dir, LearnSpec(), threads=THREADS)
@@ -258,7 +259,7 @@ def test_train_step_does_not_block_event_loop(model_dir):
         t = asyncio.create_task(ticker())
         await asyncio.sleep(0)
         ticks_before = ticks
-        m = await b.train_step(gs, 0)
+        m = await b.train_step(Batch(gs), 0)
         during = ticks - ticks_before
         stop.set()
         await t

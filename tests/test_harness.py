@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from core.metrics import WALL_CLOCK_KEYS
+from harness.metrics import WALL_CLOCK_KEYS
 from harness.run import main
 from harness.scenario import ScenarioError, load, load_variants
 

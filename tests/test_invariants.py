@@ -3,11 +3,16 @@
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from core import virtual_clock
-from core.config import MODES, Scenario
-from core.driver import connect_components, drive, in_flight, run_mode
-from core.metrics import collect
-from core.placement import effective_staleness
+import math
+
+from core.model.config import MODES, Scenario, effective_staleness
+from core.model.timeline import GENERATE, TRAIN
+from core.pipeline.wiring import in_flight
+from core.runtimes.dispatch import run_mode
+from core.runtimes.inproc import drive
+from core.runtimes.sim import connect_sim
+from core.sim import virtual_clock
+from harness.metrics import collect
 
 
 @st.composite
@@ -58,13 +63,15 @@ def scenarios(draw):
 @settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
 @given(sc=scenarios(), mode=st.sampled_from(MODES))
 def test_every_sample_is_accounted_for(sc, mode):
-    system = run_mode(sc, mode)  # the ledger itself raises on a double train or a stale train
-    m = collect(system)
-    led = system.ledger
+    result = run_mode(sc, mode)  # the ledger itself raises on a double train or a stale train
+    m = collect(result)
+    led = result.ledger
     assert m["samples/produced"] == m["samples/trained"] + m["samples/dropped"] + m["samples/in_flight"]
-    assert m["samples/in_flight"] == 0 == in_flight(system)
+    assert m["samples/in_flight"] == 0  # counted in the components once the run ended
     assert m["samples/lost"] == 0
     assert m["samples/trainings"] == sc.trainer.steps * sc.trainer.batch_size
+    # The log of trained groups and the counters are two records of the same trainings.
+    assert sum(led.group_sizes) == m["samples/trainings"] == led.step_ends[-1][1]
     assert m["staleness/max"] <= m["staleness/bound"]
     assert led.max_response <= sc.workload.max_response_len
     assert led.interrupts == 0 or mode == "partial"
@@ -77,11 +84,21 @@ def test_every_sample_is_accounted_for(sc, mode):
         assert len({pid for pid, _, _ in led.trained_log}) == len(led.trained_log)
     # The queue's own eviction counter and the ledger's stale drops are two views of one event.
     assert m["queue/evicted_groups"] * sc.workload.group_size == m.get("samples/dropped_stale", 0)
-    # GPU time is split, never double counted.
+    # GPU time is split, never double counted, and each share agrees with the timeline's
+    # spans, which are recorded apart from the engines' and the trainer's busy counters.
     busy = m["gpu_time/generate"] + m["gpu_time/train"] + m["gpu_time/sync"]
-    assert min(m["gpu_time/generate"], m["gpu_time/train"], m["gpu_time/sync"]) >= 0
+    assert min(m["gpu_time/generate"], m["gpu_time/train"], m["gpu_time/sync"], m["gpu_time/idle"]) >= 0
     assert busy <= 1 + 1e-9
-    assert abs(busy + m["gpu_time/idle"] - 1) < 1e-9
+    place, spans = result.placement, result.timeline.spans
+    gpu_s = place.total_gpus * result.end_s
+
+    def span_s(kind: str, rows_of) -> float:
+        return sum(b - a for w, rows in spans.items() if rows_of(w) for k, a, b in rows if k == kind)
+
+    generate = span_s(GENERATE, lambda w: w.startswith("engine")) * place.gpus_per_engine / gpu_s
+    train = span_s(TRAIN, lambda w: w == "trainer") * place.trainer_gpus / gpu_s
+    assert math.isclose(generate, m["gpu_time/generate"], rel_tol=1e-6, abs_tol=1e-9)
+    assert math.isclose(train, m["gpu_time/train"], rel_tol=1e-6, abs_tol=1e-9)
 
 
 @settings(max_examples=100, suppress_health_check=[HealthCheck.too_slow])
@@ -97,7 +114,7 @@ def test_the_ledger_balances_after_every_step_not_only_at_the_end(sc, mode):
             assert led.produced == led.trained + led.dropped_total + in_flight(system), f"step {step}"
             checked.append(step)
 
-        system = connect_components(sc, mode, on_step=check)
+        system = connect_sim(sc, mode, on_step=check)
         await drive(system)
 
     virtual_clock.run(main())
@@ -107,7 +124,7 @@ def test_the_ledger_balances_after_every_step_not_only_at_the_end(sc, mode):
 @settings(max_examples=100, suppress_health_check=[HealthCheck.too_slow])
 @given(sc=scenarios())
 def test_async_with_zero_staleness_trains_exactly_what_sync_trains(sc):
-    from core.config import with_changes
+    from core.model.config import with_changes
 
     sc = with_changes(sc, {"staleness.max_staleness": 0, "staleness.admission_lead": None, "replay.enabled": False})
     sync, asyn = run_mode(sc, "sync"), run_mode(sc, "async")

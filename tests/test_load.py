@@ -37,11 +37,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if __name__ == "__main__":  # a run's own process: import this tree's code
     sys.path.insert(0, str(ROOT))
 
-from core import virtual_clock  # noqa: E402
-from core.config import TinyModelSpec, with_changes  # noqa: E402
-from core.driver import System, connect_components, drive  # noqa: E402
-from core.metrics import collect  # noqa: E402
-from core.timeline import GENERATE, Timeline  # noqa: E402
+from core.sim import virtual_clock  # noqa: E402
+from core.model.config import TinyModelSpec, with_changes  # noqa: E402
+from core.pipeline.wiring import System, connect_components  # noqa: E402
+from core.runtimes.inproc import drive  # noqa: E402
+from core.runtimes.sim import connect_sim  # noqa: E402
+from harness.metrics import collect  # noqa: E402
+from core.model.timeline import GENERATE, Timeline  # noqa: E402
 from harness.scenario import load  # noqa: E402
 
 LOAD = ROOT / "scenarios" / "load.yaml"
@@ -85,6 +87,7 @@ def growth_mb(xs: list[float]) -> float:
 @dataclass
 class Watch:
     queue_max: int = 0  # groups, measured after every put
+    end_s: float = 0.0  # when the run ended
     # (time, queue groups, RSS MiB, malloc held MiB, Python's allocated blocks)
     series: list[tuple[float, int, float, float, int]] = field(default_factory=list)
 
@@ -113,32 +116,32 @@ async def watched_drive(system: System, every_s: float, keep: list | None = None
 
     sampler = asyncio.create_task(sample(), name="load-watch")
     try:
-        await drive(system)
+        w.end_s = await drive(system)
     finally:
         sampler.cancel()
-    w.series.append((system.end_s, len(queue), rss_mb(), held_mb(), sys.getallocatedblocks()))
+    w.series.append((w.end_s, len(queue), rss_mb(), held_mb(), sys.getallocatedblocks()))
     return w
 
 
 def figures(system: System, w: Watch, since_s: float = 0.0) -> dict:
     """What a load run is judged by, as plain values (they cross a process boundary). Memory is
     judged on the samples from ``since_s`` on."""
-    sc, m = system.scenario, collect(system)
+    sc, m = system.scenario, collect(system.result(w.end_s))
     if sc.runtime == "sim":  # the modelled rates
         ratio = m["bound/rollout_samples_per_s"] / m["bound/trainer_samples_per_s"]
     else:
         # Keeping up with the trainer took the engines this share of the time from since_s on;
         # at the same rate they could feed 1/share as much (a floor: admission kept batches thin).
         busy = sum(
-            max(0.0, min(b, system.end_s) - max(a, since_s))
+            max(0.0, min(b, w.end_s) - max(a, since_s))
             for e in system.engines for kind, a, b in system.timeline.spans[e.name] if kind == GENERATE
         )
-        ratio = len(system.engines) * (system.end_s - since_s) / busy
+        ratio = len(system.engines) * (w.end_s - since_s) / busy
     judged = [x for x in w.series if x[0] >= since_s]
     r = [x[2] for x in judged]
     n = len(r)
     return {
-        "mode": system.mode, "runtime": sc.runtime, "ratio": ratio, "duration_s": system.end_s,
+        "mode": system.mode, "runtime": sc.runtime, "ratio": ratio, "duration_s": w.end_s,
         "capacity": system.queue.capacity, "groups_per_step": sc.groups_per_step,
         "planned": sc.trainer.steps * sc.trainer.batch_size, "queue_max": w.queue_max,
         "queue_polled_max": max(x[1] for x in w.series), "judged_from_s": since_s,
@@ -200,7 +203,7 @@ def run_sim(mode: str, leak: bool) -> dict:
     sc = load(LOAD)
 
     async def main():
-        system = connect_components(sc, mode)
+        system = connect_sim(sc, mode)
         return figures(system, await watched_drive(system, every_s=1.0, keep=[] if leak else None))
 
     return virtual_clock.run(main())
@@ -287,8 +290,8 @@ class SlowTrainer:
 
 
 def run_local(mode: str, model_dir: str) -> dict:
-    """``core.workers.run_local`` with the slow trainer and the watch."""
-    from core.workers import RealClockLoop, local_workers
+    """``core.real.workers.run_local`` with the slow trainer and the watch."""
+    from core.runtimes.local import RealClockLoop, local_workers
 
     slow_steps = max(4, round(LOAD_S / STEP_S))
     sc = with_changes(load(ROOT / "scenarios" / "real-cpu-torch.yaml"), {
@@ -307,7 +310,7 @@ def run_local(mode: str, model_dir: str) -> dict:
         workers = local_workers(sc, mode, timeline)
         backend = workers.backend = SlowTrainer(workers.backend, STEP_S, WARM_UP_STEPS)
         await asyncio.gather(*(e.start() for e in workers.engines))
-        system = connect_components(sc, mode, None, workers, timeline)
+        system = connect_components(sc, mode, workers, timeline)
         asyncio.get_running_loop().zero()
         w = await watched_drive(system, every_s=0.25)
         f = figures(system, w, since_s=backend.slow_since)

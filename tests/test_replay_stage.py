@@ -5,11 +5,11 @@ from collections import Counter
 
 import pytest
 
-from core.config import Scenario, with_changes
-from core.driver import run_mode
-from core.metrics import WALL_CLOCK_KEYS, collect
-from core.replay_stage import staleness_bound
-from core.workload import Workload
+from core.model.config import Scenario, with_changes
+from core.runtimes.dispatch import run_mode
+from harness.metrics import WALL_CLOCK_KEYS, collect
+from core.pipeline.replay_stage import staleness_bound
+from core.sim.workload import Workload
 
 BASE = {
     "resources": {"rollout_gpus": 2, "trainer_gpus": 2},

@@ -12,9 +12,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from core.config import MODES, Scenario, TinyModelSpec, with_changes
-from core.driver import in_flight, run_mode
-from core.metrics import collect
+from core.model.config import MODES, Scenario, TinyModelSpec, with_changes
+from core.runtimes.dispatch import run_mode
+from harness.metrics import collect
 from harness.scenario import load
 
 
@@ -37,7 +37,7 @@ def assert_accounted(system) -> dict:
     m = collect(system)
     led = system.ledger
     assert m["samples/lost"] == 0
-    assert in_flight(system) == 0
+    assert system.in_flight == 0
     assert led.produced == led.trained + led.dropped_total
     assert m["samples/trained"] == system.scenario.trainer.steps * system.scenario.trainer.batch_size
     assert m["staleness/max"] <= m["staleness/bound"]
@@ -94,8 +94,8 @@ def test_evaluation_arrives_while_training_continues(ray_session, tiny_model_dir
 
 
 def test_serve_reward_matches_in_process(ray_session, tiny_model_dir):
-    from core.reward import ServeReward, TaskReward, deploy_reward, make_task
-    from core.sample import Group, Sample
+    from core.real.reward import ServeReward, TaskReward, deploy_reward, make_task
+    from core.model.sample import Group, Sample
 
     sc = with_changes(Scenario(), {"tiny_model.path": str(tiny_model_dir)})
     handle = deploy_reward(sc)
@@ -129,7 +129,7 @@ def test_reward_served_in_a_run(ray_session, tiny_model_dir):
 
 
 def test_weights_are_put_once_per_version(ray_session):
-    from core.ray_runtime import ObjectStoreTransfer
+    from core.runtimes.ray import ObjectStoreTransfer
 
     class Backend:
         def __init__(self):
@@ -175,7 +175,7 @@ def test_profile_writes_flame_graphs_for_driver_and_actors(ray_session, tiny_mod
     ],
 )
 def test_real_runtime_settings_are_checked(changes, key):
-    from core.config import ConfigError
+    from core.model.config import ConfigError
 
     with pytest.raises(ValueError) as err:
         with_changes(Scenario(), changes)
@@ -188,7 +188,7 @@ def assert_recovered_run(system) -> dict:
     m = collect(system)
     sc, led = system.scenario, system.ledger
     assert m["samples/lost"] == 0
-    assert in_flight(system) == 0
+    assert system.in_flight == 0
     assert led.produced == led.trained + led.dropped_total
     assert sum(led._trained_mask) == led.trained  # no uid trained twice (the ledger also refuses it)
     assert m["staleness/max"] <= m["staleness/bound"]
@@ -246,10 +246,10 @@ def test_ray_hung_and_slow_workers_time_out_and_recover(ray_session, tiny_model_
 def test_local_run_stopped_and_resumed_accounts_for_every_sample(tiny_model_dir, tmp_path):
     """The local runtime checkpoints weights and Adam's moments beside the run's state; a
     run stopped mid-way resumes from them and ends where the plan says."""
-    from core.checkpoint import latest, load_tensors
-    from core.driver import RunStopped
-    from core.run_checkpoint import checkpoint_dir
-    from core.workers import make_backend
+    from core.store.checkpoint import latest, load_tensors
+    from core.runtimes.inproc import RunStopped
+    from core.runtimes.run_checkpoint import checkpoint_dir
+    from core.real.workers import make_backend
 
     sc = small("scenarios/real-cpu-torch.yaml", tiny_model_dir, modes=["partial"], **{"trainer.steps": 6, "checkpoint.every": 1})
     with pytest.raises(RunStopped):
@@ -258,8 +258,8 @@ def test_local_run_stopped_and_resumed_accounts_for_every_sample(tiny_model_dir,
     saved = {stem: load_tensors(ckpt, stem) for stem in ("weights", "optimizer")}
     assert saved["optimizer"], "Adam's moments are in the checkpoint"
     backend = make_backend(sc, 1)
-    backend.load_tensors(saved)
-    again = backend.tensors()
+    backend.load(saved)
+    again = backend.state_dict()
     for stem in saved:
         assert saved[stem].keys() == again[stem].keys()
         assert all(np.array_equal(saved[stem][k], again[stem][k]) for k in saved[stem])

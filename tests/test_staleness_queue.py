@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from core import virtual_clock
-from core.staleness_queue import AsyncStalenessQueue
+from core.sim import virtual_clock
+from core.pipeline.staleness_queue import AsyncStalenessQueue
 from ext.errors import QueueFull
 
 

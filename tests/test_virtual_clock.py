@@ -3,8 +3,8 @@ import time
 
 import pytest
 
-from core import virtual_clock
-from core.virtual_clock import SimulationStalled
+from core.sim import virtual_clock
+from core.sim.virtual_clock import SimulationStalled
 
 
 def test_sleeps_run_in_virtual_time_and_order():

@@ -1,0 +1,134 @@
+"""The protocols between components: what each side may call of the other, and nothing more.
+
+Every runtime plugs different objects into the same pipeline: a simulated engine, a torch
+model, vLLM, or a proxy to any of them in a Ray actor; a modelled or a real trainer; the
+Rollouter itself or a proxy to it in another actor. They meet here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Protocol
+
+import numpy as np
+
+from core.model.sample import Group
+
+PauseMode = Literal["wait", "abort"]
+
+
+class Engine(Protocol):
+    """What the Rollouter drives. Every method is awaitable so that a proxy has the same API."""
+
+    name: str
+    # What the report reads of an engine once it is closed.
+    busy_s: float
+    seq_s: float
+    tokens_generated: int
+    prefill_tokens: int
+
+    async def generate(self, group: Group, max_response_len: int) -> bool:
+        """Generate the group's unfinished responses in place; False if aborted first."""
+
+    async def abort_all(self) -> int:
+        """Interrupt every request in flight (partial tokens stay on their samples)."""
+
+    async def update_weights(self, version: int, weights: Any) -> None:
+        """Load ``weights`` (None: the engine models weights, nothing to load) as ``version``."""
+
+    async def clear_cache(self) -> None: ...
+
+    async def recover(self) -> None:
+        """After a loss: kill what is left of the worker and wait until it is back."""
+
+    async def close(self, now: float) -> None:
+        """End of run: close the open busy span; the counters are final after this."""
+
+
+class LocalEngine(Engine, Protocol):
+    """An engine in the runtime's own process, whose counters a whole-run checkpoint keeps."""
+
+    def state(self) -> dict:
+        """Counters (and, simulated, the engine's model state) of an idle engine."""
+
+    def restore(self, state: dict) -> None: ...
+
+
+@dataclass
+class Batch:
+    """What one trainer step (or several, when the trainer pulls a window) trains on.
+
+    ``weights`` holds one importance weight per group, applied to each of its samples'
+    tokens in the loss: a prioritized replay draw corrects its sampling bias through them.
+    None means every weight is 1.
+    """
+
+    groups: list[Group] = field(default_factory=list)
+    weights: Optional[np.ndarray] = None
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def head(self, k: int) -> "Batch":
+        return Batch(self.groups[:k], None if self.weights is None else self.weights[:k])
+
+    def tail(self, k: int) -> "Batch":
+        """All but the first ``k`` groups."""
+        return Batch(self.groups[k:], None if self.weights is None else self.weights[k:])
+
+    def sample_weights(self) -> np.ndarray:
+        """One weight per sample, in the order of the groups' samples."""
+        sizes = [g.size for g in self.groups]
+        if self.weights is None:
+            return np.ones(sum(sizes), dtype=np.float64)
+        return np.repeat(np.asarray(self.weights, dtype=np.float64), sizes)
+
+
+class BatchSource(Protocol):
+    """Where the Trainer's batches come from: the staleness queue, or the replay stage in front of it."""
+
+    async def get_batch(self, n: int) -> Batch:
+        """``n`` whole groups; waits until they are there."""
+
+
+class TrainBackend(Protocol):
+    """One trainer step, modelled or real, and what a checkpoint keeps of the trainer."""
+
+    compute_s: float  # time spent in steps
+    flops: float  # model FLOPs of those steps (0 where they are modelled)
+    peak_flops: float  # the devices' peak FLOP/s, for MFU (0 where not measured)
+    tensor_files: tuple[str, ...]  # the safetensors files ``state_dict`` writes, e.g. ("weights", "optimizer")
+
+    async def train_step(self, batch: Batch, version: int) -> dict:
+        """Train on ``batch`` with the weights of ``version``; what the step measured."""
+
+    def state_dict(self) -> dict[str, dict[str, np.ndarray]]:
+        """Weights and optimizer state by file stem (one entry per ``tensor_files``)."""
+
+    def load(self, tensors: dict[str, dict[str, np.ndarray]]) -> None:
+        """Back to what ``state_dict`` returned."""
+
+
+class WeightTransfer(Protocol):
+    async def send(self, version: int) -> Any:
+        """Publish the trainer's weights as ``version``; returns what every engine loads."""
+
+
+class RolloutControl(Protocol):
+    """What ParamSync drives: the Rollouter itself, or a proxy to it in its actor."""
+
+    async def pause(self, mode: PauseMode) -> None: ...
+
+    async def update_weights(self, version: int, weights: Any) -> None: ...
+
+    async def resume(self) -> None: ...
+
+
+class PromptSource(Protocol):
+    def tokens(self, prompt_id: int) -> np.ndarray:
+        """The prompt's token ids."""
+
+
+class RewardFn(Protocol):
+    async def score(self, group: Group) -> list[float]:
+        """One reward per sample of a finished group."""

@@ -1,0 +1,610 @@
+"""The scenario: every knob of a run, validated once, frozen, each default written here only.
+
+Hardware and model defaults describe verl's published fully-async setup (Qwen2.5-7B on
+NVIDIA H20); every number says where it comes from. Nothing here is fitted to a result.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Mode = Literal["sync", "async", "partial"]
+MODES: tuple[str, ...] = ("sync", "async", "partial")
+
+
+class ConfigError(ValueError):
+    """One bad value: the dotted key, the value, what is wrong and how to fix it."""
+
+    def __init__(self, key: str, value: object, problem: str, fix: str) -> None:
+        self.key, self.value, self.problem, self.fix = key, value, problem, fix
+        super().__init__(f"{key} = {value!r}: {problem}; fix: {fix}")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class ModelSpec(_Frozen):
+    """The policy model whose costs are simulated. Read by: the sim runtime only (a real run's model is ``tiny_model``)."""
+
+    name: str = "Qwen2.5-7B"
+    """A label for reports."""
+    params_b: float = Field(7.62, gt=0)
+    """Parameters in billions (Qwen2.5-7B model card: 7.61 B)."""
+    layers: int = Field(28, ge=1)
+    """Transformer layers (Qwen2.5-7B config.json: num_hidden_layers 28)."""
+    hidden: int = Field(3584, ge=1)
+    """Hidden size (Qwen2.5-7B config.json: hidden_size 3584)."""
+    kv_heads: int = Field(4, ge=1)
+    """Key/value heads (Qwen2.5-7B config.json: num_key_value_heads 4, GQA)."""
+    head_dim: int = Field(128, ge=1)
+    """Head dimension (Qwen2.5-7B: 3584 / 28 heads)."""
+    dtype_bytes: int = Field(2, ge=1, le=8)
+    """Bytes per weight and per KV element (bf16)."""
+
+
+class GpuSpec(_Frozen):
+    """One accelerator. Read by: the sim runtime only (a real run measures its devices)."""
+
+    name: str = "H20"
+    """A label for reports (verl's fully-async experiments ran on H20)."""
+    hbm_gb_s: float = Field(4000.0, gt=0)
+    """Peak memory bandwidth in GB/s (NVIDIA H20 datasheet: 4.0 TB/s HBM3)."""
+    bf16_tflops: float = Field(148.0, gt=0)
+    """Dense BF16 peak in TFLOP/s (NVIDIA H20 datasheet: 148)."""
+    hbm_efficiency: float = Field(0.8, gt=0, le=1)
+    """Fraction of peak bandwidth a decode kernel reaches (typical for large streaming reads on HBM3)."""
+
+
+class ResourcesSpec(_Frozen):
+    """Who gets which GPUs. `sync` mode colocates: every GPU generates, then every GPU trains.
+    Read by: every runtime (on a machine without GPUs a real run counts CPU cores instead)."""
+
+    rollout_gpus: int = Field(64, ge=1)
+    """GPUs serving rollout in async and partial modes (verl table: 64 of 128)."""
+    trainer_gpus: int = Field(64, ge=1)
+    """GPUs training in async and partial modes (verl table: 64 of 128)."""
+    gpus_per_engine: int = Field(1, ge=1)
+    """Tensor-parallel size of one rollout engine; a 7B model fits one H20 (96 GB)."""
+
+
+class WorkloadSpec(_Frozen):
+    """Prompts and the response-length distribution (lognormal, clipped). Read by: every runtime
+    for group_size and max_response_len; the lengths themselves by the sim only (real engines
+    generate until <eos> or the cap)."""
+
+    group_size: int = Field(16, ge=1)
+    """Responses per prompt, the GRPO group n (verl DAPO recipe: rollout.n 16)."""
+    prompt_tokens: int = Field(512, ge=1)
+    """Prompt length in tokens, chat template included (DAPO-Math prompts are a few hundred tokens)."""
+    response_median: int = Field(1200, ge=1)
+    """Median response length in tokens before clipping (assumed: early DAPO-Math training on a 7B model)."""
+    response_sigma: float = Field(1.0, ge=0)
+    """Lognormal sigma of response length; 1.0 puts p99 near 10x the median, the long tail."""
+    prompt_share: float = Field(0.5, ge=0, le=1)
+    """Share of the log-length variance that belongs to the prompt (hard prompts make every response long)."""
+    max_response_len: int = Field(28672, ge=1)
+    """Hard cap on response tokens (verl fully-async table: max_response_length 28K)."""
+
+
+class RolloutSpec(_Frozen):
+    """The rollout engines: a continuous-batching decode model. Read by: every runtime for
+    max_num_seqs and max_concurrency; the cost terms by the sim only."""
+
+    max_num_seqs: int = Field(256, ge=1)
+    """Sequences one engine decodes at once (vLLM default max_num_seqs: 256)."""
+    max_concurrency: Optional[int] = Field(None, ge=1)
+    """Generations in flight across all engines; None means engines x max_num_seqs, at least one group."""
+    decode_overhead_s: float = Field(0.002, ge=0)
+    """Fixed cost of one decode step: scheduling, sampling, launches (assumed, vLLM V1 with CUDA graphs)."""
+    decode_mfu: float = Field(0.5, gt=0, le=1)
+    """Fraction of BF16 peak reached by decode GEMMs once compute-bound (assumed)."""
+    prefill_mfu: float = Field(0.5, gt=0, le=1)
+    """Fraction of BF16 peak reached by prefill, including re-prefill of resumed partial responses (assumed)."""
+
+
+class TrainerSpec(_Frozen):
+    """The trainer: GRPO steps on whole groups. Read by: every runtime for batch_size, sync_every
+    and steps; the cost terms by the sim only."""
+
+    batch_size: int = Field(512, ge=1)
+    """Samples per trainer step, whole groups (32 prompts x 16, verl ppo_mini_batch_size 32)."""
+    sync_every: int = Field(4, ge=1)
+    """Trainer steps per weight sync, i.e. per version (verl trigger_parameter_sync_step 4)."""
+    steps: int = Field(1000, ge=1)
+    """Trainer steps in the run."""
+    mfu: float = Field(0.4, gt=0, le=1)
+    """Model FLOPs utilization of training (Llama 3 paper: 38-43 % BF16 MFU on H100 at scale)."""
+    step_overhead_s: float = Field(1.0, ge=0)
+    """Fixed cost per step: optimizer update and gradient reduction of a sharded 7B model (assumed)."""
+    recompute_logprobs: tuple[Mode, ...] = ()
+    """Modes whose trainer recomputes behaviour log-probs in an extra forward pass (verl colocate: old_log_prob)."""
+
+
+class StalenessSpec(_Frozen):
+    """How stale a trained sample may be, and how far rollout may run ahead. Read by: every runtime."""
+
+    max_staleness: int = Field(1, ge=0)
+    """Hard bound: no sample is trained on weights more than this many versions newer than its first token."""
+    admission_lead: Optional[float] = Field(None, ge=0)
+    """Sync windows the rollout may run ahead of training; None means max_staleness (verl staleness_threshold)."""
+
+
+class SyncSpec(_Frozen):
+    """Weight transfer from trainer to rollout engines. Read by: the sim runtime only (a real run
+    measures its transfers)."""
+
+    bandwidth_gb_s: float = Field(25.0, gt=0)
+    """Trainer-to-rollout bandwidth in GB/s across nodes (one 200 Gb/s RDMA NIC per GPU)."""
+    latency_s: float = Field(0.5, ge=0)
+    """Fixed cost of one transfer: gathering shards and starting the broadcast (assumed)."""
+    colocated_bandwidth_gb_s: float = Field(400.0, gt=0)
+    """Bandwidth of the in-node reshard in colocated sync mode (NVLink, H20: 900 GB/s peak)."""
+    colocated_switch_s: float = Field(3.0, ge=0)
+    """Colocated mode only: time to swap between engine and trainer memory (KV cache free/rebuild) each sync (assumed)."""
+
+
+class ReplaySpec(_Frozen):
+    """An optional replay buffer (ext.replay) between the queue and the trainer, for off-policy reuse.
+
+    Fresh groups from the queue go into a ring of ``capacity_groups``; every trainer batch is
+    drawn from the ring, so a group is trained about ``reuse`` times before it is overwritten.
+    Reuse trades staleness for rollout: trained samples may then be older than
+    ``staleness.max_staleness`` by the versions a group can live in the ring, and the report
+    states that bound (``staleness/bound``). Read by: every runtime.
+    """
+
+    enabled: bool = False
+    """Put the replay buffer in the pipeline; off, the trainer takes fresh groups from the queue."""
+    capacity_groups: int = Field(256, ge=1)
+    """Groups the ring holds; the oldest is overwritten when a new one arrives."""
+    reuse: float = Field(2.0, ge=1)
+    """Trained samples per fresh sample: each step takes ceil(batch groups / reuse) fresh groups from the queue."""
+    prioritized: bool = False
+    """Sample by priority (sum-tree, stratified) instead of uniformly."""
+    alpha: float = Field(0.6, ge=0)
+    """Priority exponent: P(i) ~ p_i^alpha (Schaul et al. 2016, proportional PER: 0.6)."""
+    beta: float = Field(0.4, ge=0, le=1)
+    """Importance-weight exponent (Schaul et al. 2016: 0.4, annealed towards 1 in their runs)."""
+
+
+class TinyModelSpec(_Frozen):
+    """The tiny random-weight Qwen2 model that the real runtimes train and serve (core/real/tiny_model.py).
+    Read by: the local and ray runtimes."""
+
+    path: str = "models/tiny-qwen2"
+    """Model directory, relative to the working directory; built on first use if missing."""
+    seed: int = Field(0, ge=0)
+    """Seeds the random weights and the tokenizer's training text."""
+    layers: int = Field(2, ge=1)
+    """Transformer layers."""
+    heads: int = Field(4, ge=1)
+    """Attention heads; hidden size is heads x head_dim."""
+    kv_heads: int = Field(2, ge=1)
+    """Key/value heads (grouped-query attention, as in Qwen2)."""
+    head_dim: int = Field(32, ge=32)
+    """Head dimension; vLLM's CPU attention needs 32 or more."""
+    intermediate: int = Field(256, ge=1)
+    """MLP width."""
+    max_positions: int = Field(512, ge=16)
+    """Longest prompt + response the model takes."""
+
+
+class TaskSpec(_Frozen):
+    """The verifiable task of the real runtimes (core/real/task.py): repeat letters of the prompt, then stop.
+    Read by: the local and ray runtimes."""
+
+    alphabet: int = Field(8, ge=1, le=26)
+    """Prompts draw their letters from the first this many of a-z; the tokenizer knows all 26 (the rest are distractors)."""
+    min_letters: int = Field(2, ge=1, le=26)
+    """Fewest distinct letters in a prompt."""
+    max_letters: int = Field(6, ge=1, le=26)
+    """Most distinct letters in a prompt."""
+    length_per_letter: int = Field(2, ge=1)
+    """Full reward needs at least length_per_letter x k**2 response words before <eos> (k: the prompt's letters)."""
+
+
+class EngineSpec(_Frozen):
+    """What generates: the simulated engine, a torch model, or vLLM. Read by: every runtime for
+    kind; the rest by the local and ray runtimes."""
+
+    kind: Literal["sim", "torch", "vllm"] = "sim"
+    """`sim` on the sim runtime; `torch` or `vllm` on the local and ray runtimes."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of rollout (1.0: the behaviour policy is the policy itself)."""
+    vllm_kv_cache_gb: int = Field(1, ge=1)
+    """vLLM on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    vllm_gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """vLLM on GPU: fraction of device memory the engine may take."""
+
+
+class LearnSpec(_Frozen):
+    """The torch GRPO trainer of the real runtimes. Read by: the local and ray runtimes."""
+
+    lr: float = Field(3e-3, gt=0)
+    """Adam learning rate."""
+    is_cap: float = Field(2.0, ge=1)
+    """Cap of the truncated importance weight pi_train / pi_behaviour per token (TIS)."""
+    decoupled: bool = True
+    """Decoupled PPO: recompute the proximal policy's log-probs before the update and clip the ratio to it
+    (on: several minibatch updates per step stay stable; plain TIS with 4 updates diverged on the tiny task)."""
+    clip_eps: float = Field(0.2, gt=0, lt=1)
+    """PPO clip range of the ratio to the proximal policy (decoupled PPO)."""
+    minibatches: int = Field(4, ge=1)
+    """Optimizer updates per trainer step, each on a slice of whole groups (4: measured on the tiny task,
+    reward doubles in ~80 steps of 8 groups where 1 update per step stays flat at any stable lr)."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Global gradient-norm clip."""
+
+
+class RewardSpec(_Frozen):
+    """Where rewards are computed. Read by: the ray runtime (Serve)."""
+
+    serve: bool = False
+    """Ray runtime: score through a Ray Serve deployment instead of in the Rollouter's process."""
+    replicas: int = Field(1, ge=1)
+    """Replicas of the Serve deployment."""
+
+
+class EvalSpec(_Frozen):
+    """Evaluation of the current policy on held-out prompts, beside training. Read by: the local and
+    ray runtimes."""
+
+    every: int = Field(0, ge=0)
+    """Evaluate every this many versions; 0 turns evaluation off."""
+    prompts: int = Field(32, ge=1)
+    """Held-out prompts per evaluation, split among the workers."""
+    workers: int = Field(2, ge=1)
+    """Parallel evaluators (Ray remote functions on the ray runtime)."""
+    timeout_s: float = Field(30.0, gt=0)
+    """How long the driver waits, once training ended, for evaluations still running; later ones are reported missing."""
+    num_cpus: float = Field(0.0, ge=0)
+    """CPUs each Ray evaluator reserves; 0 lets them run beside a placement group that holds every core."""
+
+
+class RoleSpec(_Frozen):
+    """Ray resources of one role's actors."""
+
+    num_cpus: float = Field(1.0, ge=0)
+    """CPUs each actor reserves."""
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs each actor reserves."""
+    max_concurrency: int = Field(64, ge=1)
+    """Calls an actor runs at once (async actors interleave them on one loop)."""
+
+
+class RaySpec(_Frozen):
+    """The ray runtime: where the cluster is and what each role reserves. Read by: the ray runtime only."""
+
+    address: Optional[str] = None
+    """Join this cluster (e.g. `ray://head:10001` or `auto`); None starts a local instance and stops it after the run."""
+    num_cpus: Optional[int] = Field(None, ge=1)
+    """CPUs of the local instance; None gives it every core of the machine."""
+    rollout: RoleSpec = RoleSpec(num_cpus=1.0, max_concurrency=256)
+    """Each rollout engine actor; on CPU one engine is one core."""
+    trainer: RoleSpec = RoleSpec(num_cpus=1.0, max_concurrency=8)
+    """The trainer actor."""
+    controller: RoleSpec = RoleSpec(num_cpus=0.0, max_concurrency=256)
+    """The Rollouter actor: scheduling only, no model."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How the placement group lays the rollout and trainer bundles on nodes."""
+    poll_s: float = Field(1.0, gt=0)
+    """Timeout of each ray.wait of the driver, between which it reports progress."""
+
+
+class FaultSpec(_Frozen):
+    """One injected fault, at a time or after a trainer step (exactly one of the two).
+
+    ``kill`` ends a component's process: a rollout worker (engine), the queue, or the
+    trainer; ``slow`` makes a rollout worker ``factor`` times slower for ``duration_s``;
+    ``hang`` makes the worker's next ``call`` never answer, until its timeout gives up on it.
+    Read by: operations, on the sim and ray runtimes.
+    """
+
+    kind: Literal["kill", "slow", "hang"]
+    """What happens: kill, slow or hang."""
+    target: Literal["rollout_worker", "queue", "trainer"] = "rollout_worker"
+    """Which component: kill takes any; slow and hang act on a rollout worker."""
+    worker: int = Field(0, ge=0)
+    """Which rollout worker (engine index, from 0)."""
+    at_s: Optional[float] = Field(None, ge=0)
+    """When, in seconds from the start of the run (simulated seconds on the sim runtime)."""
+    at_step: Optional[int] = Field(None, ge=1)
+    """When: as soon as the trainer has finished this step."""
+    factor: float = Field(4.0, ge=1)
+    """slow: how many times longer every decode step and prefill takes."""
+    duration_s: float = Field(60.0, gt=0)
+    """slow: how long the slowdown lasts."""
+    call: Literal["generate", "update_weights", "abort_all"] = "generate"
+    """hang: the engine call that never answers."""
+
+
+class TimeoutsSpec(_Frozen):
+    """How long a caller waits on another component before it gives up on it. A call that
+    times out raises an error naming the component and the call, and the component is
+    restarted as if it had died. Read by: operations on every runtime."""
+
+    generate_s: float = Field(3600.0, gt=0)
+    """One engine's generation of one group (the long tail of a 28K-token response at a few
+    ms per step is minutes; an hour means it hangs)."""
+    control_s: float = Field(300.0, gt=0)
+    """Every other call between components: abort, weight loading, queue and trainer control."""
+    restart_s: float = Field(900.0, gt=0)
+    """How long a restarted worker may take to be back (vLLM start-up of a large model)."""
+
+
+class RecoverySpec(_Frozen):
+    """What a restart costs and how many a component gets. Read by: operations on every runtime
+    (max_restarts); the *_restart_s costs by the sim only (a real restart takes what it takes)."""
+
+    max_restarts: int = Field(3, ge=0)
+    """Restarts each worker, the queue and the trainer get (Ray max_restarts); one more death fails the run."""
+    engine_restart_s: float = Field(60.0, ge=0)
+    """Sim: seconds a killed rollout worker takes to be back (process and engine start-up, weights load; assumed)."""
+    trainer_restart_s: float = Field(120.0, ge=0)
+    """Sim: seconds a killed trainer takes to be back and load its checkpoint (assumed)."""
+    queue_restart_s: float = Field(5.0, ge=0)
+    """Sim: seconds a killed queue takes to be back and replay its journal (assumed)."""
+
+
+class CheckpointSpec(_Frozen):
+    """Checkpoints of the whole run, taken at a weight sync, while rollout is paused. Read by:
+    operations on every runtime (whole-run resume on sim and local; trainer restarts on ray)."""
+
+    every: int = Field(0, ge=0)
+    """Checkpoint every this many versions; 0 turns checkpoints off (a trainer kill needs them)."""
+    keep: int = Field(2, ge=1)
+    """Checkpoints kept per mode; older ones are deleted once a newer one is complete."""
+
+
+class ReportSpec(_Frozen):
+    """What a run writes besides report.json. Read by: the harness."""
+
+    timeline: bool = True
+    """Write timeline.png, one row per worker."""
+    timeline_rows: int = Field(32, ge=1)
+    """Rollout rows drawn at most; larger fleets show an evenly spaced subset."""
+
+
+class Scenario(_Frozen):
+    """One workload on one set of resources, run in one or more modes with one seed."""
+
+    name: str = "scenario"
+    """A label for reports and the default run directory."""
+    seed: int = Field(0, ge=0)
+    """Seeds the workload; every mode sees the same prompts and lengths."""
+    modes: tuple[Mode, ...] = ("sync", "async", "partial")
+    """Modes to run, each on the same workload: sync, async, partial."""
+    runtime: Literal["sim", "local", "ray"] = "sim"
+    """Where components run: `sim` one process on a virtual clock; `local` one process on the
+    real clock with real engines; `ray` every component a Ray actor. On the real runtimes a
+    device of `resources` is a GPU when the roles reserve GPUs, else one CPU core."""
+    # What every runtime reads.
+    resources: ResourcesSpec = ResourcesSpec()
+    """The GPU split."""
+    workload: WorkloadSpec = WorkloadSpec()
+    """Prompts and response lengths."""
+    rollout: RolloutSpec = RolloutSpec()
+    """The rollout engines."""
+    trainer: TrainerSpec = TrainerSpec()
+    """The trainer."""
+    staleness: StalenessSpec = StalenessSpec()
+    """The staleness budget."""
+    replay: ReplaySpec = ReplaySpec()
+    """The optional replay stage between queue and trainer."""
+    # What only the sim runtime reads: the cost model.
+    model: ModelSpec = ModelSpec()
+    """The policy model."""
+    gpu: GpuSpec = GpuSpec()
+    """The accelerator."""
+    sync: SyncSpec = SyncSpec()
+    """Weight sync costs."""
+    # What only the real runtimes (local, ray) read.
+    engine: EngineSpec = EngineSpec()
+    """The rollout engine."""
+    tiny_model: TinyModelSpec = TinyModelSpec()
+    """The model of the real runtimes."""
+    task: TaskSpec = TaskSpec()
+    """The task of the real runtimes."""
+    learn: LearnSpec = LearnSpec()
+    """The torch trainer of the real runtimes."""
+    eval: EvalSpec = EvalSpec()
+    """Held-out evaluation (real runtimes)."""
+    # What only the ray runtime reads.
+    ray: RaySpec = RaySpec()
+    """The ray runtime."""
+    reward: RewardSpec = RewardSpec()
+    """Reward computation (real runtimes)."""
+    # Operations: faults, timeouts, restarts and checkpoints.
+    faults: tuple[FaultSpec, ...] = ()
+    """Faults to inject (sim and ray runtimes)."""
+    timeouts: TimeoutsSpec = TimeoutsSpec()
+    """How long calls between components may take."""
+    recovery: RecoverySpec = RecoverySpec()
+    """Restarts of failed components."""
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    """Checkpoints of the run, for restarts and ``--resume``."""
+    # What the harness writes.
+    report: ReportSpec = ReportSpec()
+    """Report extras."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Scenario":
+        n = self.workload.group_size
+        bs = self.trainer.batch_size
+        if not self.modes:
+            raise ConfigError("modes", list(self.modes), "no mode to run", "list one or more of sync, async, partial")
+        if len(set(self.modes)) != len(self.modes):
+            raise ConfigError("modes", list(self.modes), "a mode is listed twice", "list each mode once")
+        if bs % n:
+            fix = f"use a multiple of workload.group_size = {n}, such as {max(n, round(bs / n) * n)}"
+            raise ConfigError("trainer.batch_size", bs, "must hold whole groups", fix)
+        r = self.resources
+        if r.rollout_gpus % r.gpus_per_engine:
+            raise ConfigError(
+                "resources.rollout_gpus", r.rollout_gpus,
+                f"does not divide into engines of resources.gpus_per_engine = {r.gpus_per_engine}",
+                f"use a multiple of {r.gpus_per_engine}",
+            )
+        if (r.rollout_gpus + r.trainer_gpus) % r.gpus_per_engine:
+            raise ConfigError(
+                "resources.trainer_gpus", r.trainer_gpus,
+                "sync mode colocates all GPUs, which must divide into engines of resources.gpus_per_engine",
+                f"make rollout_gpus + trainer_gpus a multiple of {r.gpus_per_engine}",
+            )
+        mc = self.rollout.max_concurrency
+        if mc is not None and mc < n:
+            raise ConfigError("rollout.max_concurrency", mc, "cannot hold one group", f"use at least workload.group_size = {n}")
+        lead = self.staleness.admission_lead
+        if lead is not None and lead > self.staleness.max_staleness:
+            raise ConfigError(
+                "staleness.admission_lead", lead,
+                f"runs further ahead than staleness.max_staleness = {self.staleness.max_staleness} lets anything be trained",
+                f"use at most {self.staleness.max_staleness}, or raise staleness.max_staleness",
+            )
+        kind = self.engine.kind
+        if (self.runtime == "sim") != (kind == "sim"):
+            fix = "use engine.kind: sim" if self.runtime == "sim" else "use engine.kind: torch or vllm"
+            raise ConfigError("engine.kind", kind, f"does not run on runtime {self.runtime}", fix)
+        if self.task.min_letters > self.task.max_letters:
+            raise ConfigError("task.min_letters", self.task.min_letters, "is above task.max_letters", f"use at most {self.task.max_letters}")
+        if self.task.max_letters > self.task.alphabet:
+            raise ConfigError(
+                "task.max_letters", self.task.max_letters, f"a prompt's letters are distinct, and task.alphabet has {self.task.alphabet}",
+                f"use at most {self.task.alphabet}, or raise task.alphabet",
+            )
+        if self.runtime != "sim":
+            need = 1 + self.task.max_letters + 2 + self.workload.max_response_len
+            if need > self.tiny_model.max_positions:
+                raise ConfigError(
+                    "workload.max_response_len", self.workload.max_response_len,
+                    f"prompt + response can reach {need} tokens, beyond tiny_model.max_positions = {self.tiny_model.max_positions}",
+                    f"use at most {self.tiny_model.max_positions - need + self.workload.max_response_len}, or raise tiny_model.max_positions",
+                )
+        if self.reward.serve and self.runtime != "ray":
+            raise ConfigError("reward.serve", True, f"Ray Serve needs runtime ray, not {self.runtime}", "set runtime: ray, or reward.serve: false")
+        rp = self.replay
+        if rp.enabled and rp.capacity_groups < bs // n:
+            raise ConfigError(
+                "replay.capacity_groups", rp.capacity_groups, f"cannot hold one trainer batch of {bs // n} groups",
+                f"use at least trainer.batch_size / workload.group_size = {bs // n}",
+            )
+        self._check_faults()
+        return self
+
+    def _check_faults(self) -> None:
+        if self.checkpoint.every and self.replay.enabled:
+            raise ConfigError(
+                "checkpoint.every", self.checkpoint.every, "the replay ring is not checkpointed",
+                "set checkpoint.every: 0, or replay.enabled: false",
+            )
+        if self.faults and self.runtime == "local":
+            raise ConfigError("faults", "[...]", "faults are injected on the sim and ray runtimes", "set runtime: sim or ray, or remove faults")
+        if self.faults and self.replay.enabled:
+            raise ConfigError("faults", "[...]", "recovery needs checkpoints, and the replay ring is not checkpointed", "set replay.enabled: false")
+        engines = min(Placement.of(self, m).engines for m in self.modes)
+        for i, f in enumerate(self.faults):
+            key = f"faults.{i}"
+            if (f.at_s is None) == (f.at_step is None):
+                raise ConfigError(key, f.model_dump(exclude_defaults=True), "needs exactly one of at_s and at_step", f"add {key}.at_s or {key}.at_step")
+            if f.at_step is not None and f.at_step >= self.trainer.steps:
+                raise ConfigError(f"{key}.at_step", f.at_step, f"the run ends at trainer.steps = {self.trainer.steps}", f"use at most {self.trainer.steps - 1}")
+            if f.kind != "kill" and f.target != "rollout_worker":
+                raise ConfigError(f"{key}.target", f.target, f"a {f.kind} fault acts on a rollout worker", "set target: rollout_worker")
+            if f.target == "rollout_worker" and f.worker >= engines:
+                raise ConfigError(f"{key}.worker", f.worker, f"there are {engines} rollout workers in the smallest mode", f"use 0 to {engines - 1}")
+            if f.kind == "kill" and f.target == "trainer" and not self.checkpoint.every:
+                raise ConfigError(
+                    "checkpoint.every", 0, f"{key} kills the trainer, which restarts from its last checkpoint",
+                    "set checkpoint.every: 1 (a checkpoint at every weight sync)",
+                )
+            if f.kind == "kill" and f.target == "queue" and self.runtime == "ray":
+                raise ConfigError(
+                    f"{key}.target", "queue", "on the ray runtime the queue lives in the rollout actor and is not killed alone",
+                    "kill a rollout_worker or the trainer there, or run the queue kill on runtime sim",
+                )
+
+    @property
+    def groups_per_step(self) -> int:
+        """Groups each trainer step trains."""
+        return self.trainer.batch_size // self.workload.group_size
+
+    @property
+    def fresh_groups_per_step(self) -> int:
+        """Groups each trainer step takes from the queue: all of its batch, or 1/reuse of it with replay."""
+        groups = self.groups_per_step
+        return math.ceil(groups / self.replay.reuse) if self.replay.enabled else groups
+
+    @property
+    def warm_up_groups(self) -> int:
+        """Fresh groups the first step takes on top of ``fresh_groups_per_step``: a replay ring
+        fills up to one whole batch before it is drawn from."""
+        return self.groups_per_step - self.fresh_groups_per_step
+
+    @property
+    def window(self) -> int:
+        """Fresh samples the trainer consumes per version: one sync window."""
+        return self.fresh_groups_per_step * self.workload.group_size * self.trainer.sync_every
+
+    @property
+    def lead(self) -> float:
+        """Sync windows rollout may run ahead of training."""
+        a = self.staleness.admission_lead
+        return float(self.staleness.max_staleness) if a is None else a
+
+
+def set_dotted(data: dict, key: str, value: object) -> None:
+    """Set ``data["a"]["b"] = value`` for key ``"a.b"``, creating missing sections.
+
+    Raises ``ConfigError`` when a part of the path holds a value instead of a section.
+    """
+    node = data
+    *path, leaf = key.split(".")
+    for part in path:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(key, value, f"'{part}' is not a section", "set a key that exists, e.g. trainer.steps=100")
+        node = child
+    node[leaf] = value
+
+
+def with_changes(sc: Scenario, changes: dict[str, object]) -> Scenario:
+    """A validated copy of ``sc`` with dotted-key changes, e.g. ``{"trainer.steps": 10}``."""
+    data = sc.model_dump()
+    for key, value in changes.items():
+        set_dotted(data, key, value)
+    return Scenario.model_validate(data)
+
+
+# -- placement: which GPUs each role gets in a mode ----------------------------------------------
+@dataclass(frozen=True)
+class Placement:
+    """GPUs per role in one mode. ``sync`` colocates: every GPU generates, then trains."""
+
+    colocated: bool
+    engines: int
+    gpus_per_engine: int
+    trainer_gpus: int
+
+    @classmethod
+    def of(cls, sc: Scenario, mode: str) -> "Placement":
+        r = sc.resources
+        if mode == "sync":
+            total = r.rollout_gpus + r.trainer_gpus
+            return cls(True, total // r.gpus_per_engine, r.gpus_per_engine, total)
+        return cls(False, r.rollout_gpus // r.gpus_per_engine, r.gpus_per_engine, r.trainer_gpus)
+
+    @property
+    def total_gpus(self) -> int:
+        return self.trainer_gpus if self.colocated else self.trainer_gpus + self.engines * self.gpus_per_engine
+
+
+def effective_staleness(sc: Scenario, mode: str) -> tuple[int, float]:
+    """(max_staleness, admission lead); sync is on-policy whatever the scenario says."""
+    if mode == "sync":
+        return 0, 0.0
+    return sc.staleness.max_staleness, sc.lead

@@ -1,0 +1,180 @@
+"""Accounting of every sample: produced = trained + dropped (by reason) + in flight.
+
+Counts come from the component that owns each transition (the Rollouter admits, the
+Trainer trains, the queue and the Rollouter drop), so a sample that a bug loses shows
+up as ``lost`` instead of vanishing.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections import Counter
+
+from core.model.sample import Group
+
+
+class LedgerError(RuntimeError):
+    """An accounting rule was broken (a sample trained twice, or trained too stale)."""
+
+
+class Ledger:
+    """``trained`` counts samples trained at least once; ``trainings`` every time one is
+    trained, which only a replay stage (``reuse``) makes larger. Staleness and token
+    aggregates are per training; lifecycle ones (latency, interrupts) per sample."""
+
+    def __init__(self, max_staleness: int, reuse: bool = False) -> None:
+        self.max_staleness = max_staleness
+        self.reuse = reuse
+        self.produced = 0
+        self.requeued = 0  # samples sent to generate again after their worker died
+        self.trained = 0
+        self.trainings = 0
+        self.dropped: Counter[str] = Counter()
+        self._trained_mask = bytearray()
+        # one entry per group training
+        self.trained_log: list[tuple[int, int, int]] = []  # (prompt_id, generation version, train version)
+        self.group_sizes: list[int] = []
+        self.e2e_s: list[float] = []  # one per group, at its first training
+        # per training
+        self.staleness_sum = 0
+        self.staleness_max = 0
+        self.token_staleness_sum = 0
+        self.response_tokens = 0
+        self.prompt_tokens = 0
+        self.reward_sum = 0.0  # over trainings of samples that carry a reward (real engines)
+        self.rewarded = 0
+        # per sample
+        self.interrupted = 0
+        self.interrupts = 0
+        self.resumes = 0
+        self.max_response = 0
+        self.step_ends: list[tuple[float, int]] = []  # (time, samples trained so far)
+
+    def admitted(self, group: Group) -> None:
+        self.produced += group.size
+
+    def requeue(self, group: Group) -> None:
+        self.requeued += group.size
+
+    def dropped_groups(self, groups: list[Group], reason: str) -> None:
+        for g in groups:
+            self.dropped[reason] += g.size
+
+    def trained_groups(self, groups: list[Group], version: int, now: float) -> None:
+        mask = self._trained_mask
+        for g in groups:
+            lo = g.samples[0].uid
+            hi = lo + g.size
+            if hi > len(mask):
+                mask.extend(bytes(max(hi - len(mask), len(mask))))
+            again = any(mask[lo:hi])
+            if again and not self.reuse:
+                raise LedgerError(f"prompt {g.prompt_id}: a sample is trained twice")
+            stale = version - g.version
+            if stale > self.max_staleness:
+                raise LedgerError(
+                    f"prompt {g.prompt_id}: trained at version {version} from version {g.version}, "
+                    f"staler than max_staleness {self.max_staleness}"
+                )
+            if g.resumes != g.aborts:
+                raise LedgerError(f"prompt {g.prompt_id}: interrupted {g.aborts} times but resumed {g.resumes} times")
+            n = g.size
+            self.trainings += n
+            self.staleness_sum += stale * n
+            self.staleness_max = max(self.staleness_max, stale)
+            self.trained_log.append((g.prompt_id, g.version, version))
+            self.group_sizes.append(n)
+            for s in g.samples:
+                if not s.finished:
+                    raise LedgerError(f"sample {s.uid}: trained before its generation finished")
+                self.response_tokens += s.n_response
+                self.prompt_tokens += s.n_prompt
+                if s.reward is not None:
+                    self.reward_sum += s.reward
+                    self.rewarded += 1
+                for v, k in s.version_spans:
+                    self.token_staleness_sum += (version - v) * k
+            if again:
+                continue
+            mask[lo:hi] = b"\x01" * n
+            self.trained += n
+            self.e2e_s.append(now - g.admitted_at)
+            self.resumes += g.resumes
+            for s in g.samples:
+                s.trained_at = now
+                self.max_response = max(self.max_response, s.n_response)
+                if s.interrupts:
+                    self.interrupted += 1
+                    self.interrupts += s.interrupts
+
+    def merge(self, other: "Ledger") -> None:
+        """Add the accounting of another part of the same run: the ray runtime keeps one
+        ledger beside the Rollouter (admitted, dropped) and one beside the Trainer (trained)."""
+        if (other.max_staleness, other.reuse) != (self.max_staleness, self.reuse):
+            raise LedgerError("merging ledgers of different runs")
+        for name, theirs in vars(other).items():
+            mine = getattr(self, name)
+            if name in ("max_staleness", "reuse"):
+                continue
+            if name in ("staleness_max", "max_response"):
+                setattr(self, name, max(mine, theirs))
+            elif name == "_trained_mask":
+                if len(theirs) > len(mine):
+                    mine.extend(bytes(len(theirs) - len(mine)))
+                for i, flag in enumerate(theirs):
+                    if flag:
+                        if mine[i] and not self.reuse:
+                            raise LedgerError(f"sample {i}: trained in two ledgers")
+                        mine[i] = 1
+            elif isinstance(mine, Counter):
+                mine.update(theirs)
+            elif isinstance(mine, list):
+                mine.extend(theirs)
+            else:
+                setattr(self, name, mine + theirs)
+        self.step_ends.sort()
+
+    # The trainer's side of the ledger: what a trainer restored from a checkpoint goes back to.
+    TRAINED_FIELDS = (
+        "trained", "trainings", "_trained_mask", "trained_log", "group_sizes", "e2e_s", "staleness_sum",
+        "staleness_max", "token_staleness_sum", "response_tokens", "prompt_tokens", "reward_sum", "rewarded",
+        "interrupted", "interrupts", "resumes", "max_response", "step_ends",
+    )
+
+    def state(self) -> dict:
+        """Every count, JSON-ready (for a checkpoint)."""
+        out = {}
+        for name, v in vars(self).items():
+            if name == "_trained_mask":
+                v = base64.b64encode(bytes(v)).decode()
+            elif isinstance(v, Counter):
+                v = dict(v)
+            elif isinstance(v, list):
+                v = [list(x) if isinstance(x, tuple) else x for x in v]
+            out[name] = v
+        return out
+
+    def restore(self, state: dict, fields: tuple[str, ...] | None = None) -> None:
+        """Take the counts of ``state`` (all of them, or only ``fields``)."""
+        for name in fields or tuple(vars(self)):
+            v = state[name]
+            if name == "_trained_mask":
+                v = bytearray(base64.b64decode(v))
+            elif name == "dropped":
+                v = Counter(v)
+            elif name == "trained_log":
+                v = [tuple(x) for x in v]
+            elif name == "step_ends":
+                v = [tuple(x) for x in v]
+            setattr(self, name, v)
+
+    def shift_times(self, dt: float) -> None:
+        """Move this ledger's timestamps by ``dt`` (onto another process's clock)."""
+        self.step_ends = [(t + dt, n) for t, n in self.step_ends]
+
+    def step_done(self, now: float) -> None:
+        self.step_ends.append((now, self.trainings))
+
+    @property
+    def dropped_total(self) -> int:
+        return sum(self.dropped.values())

@@ -1,0 +1,72 @@
+"""``RunResult``: what every runtime returns of a finished mode, on one clock.
+
+The report is a pure function of it (``harness.metrics``). In one process it is read off
+the components; on Ray each actor sends its part and the driver moves every timestamp onto
+its own clock, zero at the start (``clock_offsets_s`` keeps what it moved them by).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from core.model.config import Placement, Scenario
+from core.model.faults import FaultLog
+from core.model.ledger import Ledger
+from core.model.timeline import Timeline
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """One rollout engine's totals."""
+
+    name: str
+    busy_s: float
+    seq_s: float  # the running batch integrated over time
+    tokens_generated: int
+    prefill_tokens: int
+    restarts: int = 0  # times its supervisor brought it back
+
+    @classmethod
+    def of(cls, engine, restarts: int = 0) -> "EngineCounters":
+        return cls(engine.name, engine.busy_s, engine.seq_s, engine.tokens_generated, engine.prefill_tokens, restarts)
+
+
+@dataclass(frozen=True)
+class TrainerCounters:
+    step: int
+    version: int
+    wait_s: float  # waiting for batches
+    step_info: list  # what the backend said of each step, with its end time
+    compute_s: float  # in the backend's steps
+    flops: float
+    peak_flops: float
+
+
+@dataclass(frozen=True)
+class SyncCounters:
+    """Per weight sync: rollout paused (drain included), drained or aborted, weights moving."""
+
+    pause_s: list
+    drain_s: list
+    transfer_s: list
+
+
+@dataclass
+class RunResult:
+    scenario: Scenario
+    mode: str
+    placement: Placement
+    ledger: Ledger
+    timeline: Timeline
+    engines: list[EngineCounters]
+    trainer: TrainerCounters
+    sync: SyncCounters
+    queue_counters: dict
+    replay_counters: Optional[dict]
+    in_flight: int  # samples observed in the components at the end (not derived from the ledger)
+    faults: FaultLog
+    end_s: float
+    wall_s: float = 0.0
+    evaluations: list = field(default_factory=list)  # held-out scores per version (real runtimes)
+    clock_offsets_s: dict = field(default_factory=dict)  # per process, what its times were shifted by

@@ -1,0 +1,58 @@
+"""ParamSync: pause rollout, transfer weights, bump the version, resume.
+
+Pause time (rollout stopped, drain included) and transfer time are recorded apart, so a
+report shows whether a sync costs bandwidth or waiting for the longest response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Awaitable, Callable, Optional
+
+from core.api import PauseMode, RolloutControl, WeightTransfer
+from core.model.timeline import SYNC, Timeline
+
+
+class ParamSync:
+    def __init__(
+        self,
+        *,
+        rollouter: RolloutControl,
+        transfer: WeightTransfer,
+        mode: PauseMode,
+        timeline: Optional[Timeline] = None,
+    ) -> None:
+        self.rollouter = rollouter
+        self.transfer = transfer
+        self.mode = mode
+        self.timeline = timeline
+        self.pause_s: list[float] = []
+        self.drain_s: list[float] = []
+        self.transfer_s: list[float] = []
+        # Called while rollout is paused, before the weights leave: a checkpoint there holds
+        # no generation in flight, and weights never run ahead of the latest checkpoint.
+        self.checkpoint: Optional[Callable[[int, float, float], Awaitable[None]]] = None
+
+    async def sync(self, version: int, checkpoint: bool = True) -> None:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await self.rollouter.pause(self.mode)
+        t1 = loop.time()
+        if checkpoint and self.checkpoint is not None:
+            await self.checkpoint(version, t0, t1)
+        await self.finish(version, t0, t1)
+
+    async def finish(self, version: int, t0: float, t1: float) -> None:
+        """The rest of a sync once rollout is paused: move the weights, resume."""
+        loop = asyncio.get_running_loop()
+        weights = await self.transfer.send(version)
+        t2 = loop.time()
+        await self.rollouter.update_weights(version, weights)
+        await self.rollouter.resume()
+        t3 = loop.time()
+        self.drain_s.append(t1 - t0)
+        self.transfer_s.append(t2 - t1)
+        self.pause_s.append(t3 - t0)
+        if self.timeline is not None:
+            self.timeline.add("trainer", SYNC, t0, t3)  # the trainer waits from the request on
+            self.timeline.add("rollout", SYNC, t1, t3)  # engines stop once drained or aborted

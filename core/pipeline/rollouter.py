@@ -1,0 +1,339 @@
+"""The Rollouter: feeds GRPO groups to engines under a concurrency limit and a staleness budget.
+
+Finished groups go to the queue at once (streaming, no batch barrier). ``pause("wait")``
+drains in-flight generations; ``pause("abort")`` interrupts them and keeps their partial
+responses in a cancel queue that is served first after ``resume``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections import deque
+from typing import Any, Optional
+
+import numpy as np
+
+from core.api import Engine, PauseMode, PromptSource, RewardFn
+from core.model.faults import FaultLog, RestartsExhausted, WorkerLost, worker_key
+from core.model.ledger import Ledger
+from core.model.sample import Group, Sample
+from core.pipeline.staleness_queue import AsyncStalenessQueue
+
+log = logging.getLogger(__name__)
+
+
+class Rollouter:
+    """Producer of finished groups.
+
+    Admission control (DESIGN.md, data flow step 1): a new group of n is admitted only if
+    n <= min(max_concurrency - running, floor((version + 1 + lead) * window) - admitted),
+    where ``admitted`` counts samples admitted and not dropped. The trainer consumes
+    ``window`` samples per version, so rollout never runs more than ``lead`` windows ahead.
+    """
+
+    def __init__(
+        self,
+        *,
+        engines: list[Engine],
+        queue: AsyncStalenessQueue,
+        ledger: Ledger,
+        group_size: int,
+        prompt_tokens: int,
+        max_response_len: int,
+        max_concurrency: int,
+        window: int,
+        lead: float,
+        max_staleness: int,
+        plan_samples: int,
+        head_start: int = 0,
+        prompts: Optional[PromptSource] = None,
+        reward: Optional[RewardFn] = None,
+        faults: Optional[FaultLog] = None,
+        stop_timeout_s: Optional[float] = None,
+    ) -> None:
+        self.engines = engines
+        self.queue = queue
+        self.ledger = ledger
+        self.group_size = group_size
+        self.prompt_tokens = prompt_tokens
+        self.max_response_len = max_response_len
+        self.max_concurrency = max_concurrency
+        self.window = window
+        self.lead = lead
+        self.max_staleness = max_staleness
+        self.plan_samples = plan_samples
+        # Samples the trainer takes once, beyond its windows (a replay ring filling up).
+        self.head_start = head_start
+        # Real engines need prompt tokens and finished groups a reward; the sim engine neither.
+        self.prompts = prompts
+        self.reward = reward
+        self.version = 0
+        self.running = 0  # samples being generated
+        self._holding = 0  # samples of the groups being generated, finished members included
+        self.admitted = 0  # samples admitted and not dropped: what the staleness budget counts
+        self.cancel_queue: deque[Group] = deque()
+        # Groups whose worker died under them: generated again from what this process holds.
+        self.retry_queue: deque[Group] = deque()
+        self.faults = faults or FaultLog()
+        self.stop_timeout_s = stop_timeout_s  # how long stop() waits on a generation that ignores abort
+        self._weights: Any = None  # the latest version's weights, for a worker back from a restart
+        self._weights_version = 0  # their version, set before the live engines load them
+        self._down: set[int] = set()  # workers lost and not yet back
+        self._recovering: dict[int, asyncio.Task] = {}
+        self._failure: Optional[BaseException] = None
+        self._next_prompt = 0
+        self._active: set[asyncio.Task] = set()
+        self._assigned = [0] * len(engines)  # samples routed to each engine and not yet back
+        self._paused = False
+        self._stopped = False
+        self._wake = asyncio.Event()
+
+    # -- admission ----------------------------------------------------------------------------
+    def budget(self) -> int:
+        """Samples the staleness budget still admits at the current version."""
+        limit = math.floor((self.version + 1 + self.lead) * self.window + 1e-9) + self.head_start
+        return min(limit, self.plan_samples) - self.admitted
+
+    def _next_group(self) -> Optional[Group]:
+        while self.retry_queue:
+            g = self.retry_queue[0]
+            if not any(s.n_response for s in g.samples):
+                g.version = self.version  # nothing generated yet: it starts afresh on this version
+            elif self.version - g.version > self.max_staleness:
+                self.retry_queue.popleft()
+                self._drop([g], "stale_interrupted")
+                continue
+            if self.running + len(g.unfinished()) > self.max_concurrency:
+                return None
+            return self.retry_queue.popleft()
+        while self.cancel_queue:
+            g = self.cancel_queue[0]
+            if self.version - g.version > self.max_staleness:
+                # Anything it finishes would be evicted: stop spending tokens on it.
+                self.cancel_queue.popleft()
+                self._drop([g], "stale_interrupted")
+                continue
+            if self.running + len(g.unfinished()) > self.max_concurrency:
+                return None
+            self.cancel_queue.popleft()
+            g.resumes += 1
+            return g
+        n = self.group_size
+        if min(self.max_concurrency - self.running, self.budget()) < n:
+            return None
+        pid = self._next_prompt
+        self._next_prompt += 1
+        now = asyncio.get_running_loop().time()
+        tokens = self.prompts.tokens(pid) if self.prompts is not None else None
+        n_prompt = self.prompt_tokens if tokens is None else len(tokens)
+        samples = [
+            Sample(uid=pid * n + i, prompt_id=pid, index=i, n_prompt=n_prompt, prompt_tokens=tokens, admitted_at=now)
+            for i in range(n)
+        ]
+        g = Group(prompt_id=pid, samples=samples, version=self.version, admitted_at=now)
+        self.admitted += n
+        self.ledger.admitted(g)
+        return g
+
+    def _drop(self, groups: list[Group], reason: str) -> None:
+        self.admitted -= sum(g.size for g in groups)
+        self.ledger.dropped_groups(groups, reason)
+        self._wake.set()
+
+    def dropped_from_queue(self, groups: list[Group], reason: str) -> None:
+        """Groups the queue evicted free their staleness budget."""
+        if groups:
+            self._drop(groups, reason)
+
+    # -- main loop ----------------------------------------------------------------------------
+    async def run(self) -> None:
+        while not self._stopped:
+            if self._failure is not None:
+                raise self._failure
+            up = [i for i in range(len(self.engines)) if i not in self._down]
+            group = None if self._paused or not up else self._next_group()
+            if group is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            # Least-loaded routing on our own count: a task just created has not reached its engine yet.
+            i = min(up, key=self._assigned.__getitem__)
+            k = len(group.unfinished())
+            self._assigned[i] += k
+            self.running += k
+            self._holding += group.size
+            task = asyncio.create_task(self._generate(group, i, k))
+            self._active.add(task)
+            task.add_done_callback(self._active.discard)
+
+    async def _generate(self, group: Group, i: int, k: int) -> None:
+        try:
+            completed = await self.engines[i].generate(group, self.max_response_len)
+        except WorkerLost as exc:
+            # What it generated died with it; what this process holds is generated again.
+            self.retry_queue.append(group)
+            self.ledger.requeue(group)
+            self.worker_lost(i, exc)
+            return
+        except asyncio.CancelledError:
+            # An engine that cancels its own stream on abort must not leak the cancellation:
+            # unless this task itself is being cancelled, the generation was interrupted.
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                self.retry_queue.append(group)  # still accounted for: stop() hands it back
+                raise
+            completed = False
+        finally:
+            self.running -= k
+            self._assigned[i] -= k
+            self._holding -= group.size
+            self._wake.set()
+        if completed:
+            if self.reward is not None:
+                try:
+                    rewards = await self.reward.score(group)
+                except WorkerLost as exc:
+                    # The scorer failed or hung: the finished group is scored again (an
+                    # engine returns a finished group at once), never dropped.
+                    log.warning("%s; the group is scored again", exc)
+                    self.retry_queue.append(group)
+                    self.ledger.requeue(group)
+                    self._wake.set()
+                    return
+                for s, value in zip(group.samples, rewards):
+                    s.reward = value
+            group.finished_at = asyncio.get_running_loop().time()
+            if not await self.queue.put(group, group.version):
+                self._drop([group], "stale_on_arrival")
+        else:
+            group.aborts += 1
+            for s in group.samples:
+                if not s.finished:
+                    s.interrupts += 1
+            self.cancel_queue.append(group)
+
+    # -- lost workers -------------------------------------------------------------------------
+    def worker_lost(self, i: int, exc: BaseException) -> None:
+        """Worker ``i`` died or stopped answering: route around it until it is back."""
+        self._wake.set()
+        if i in self._down:
+            return
+        self._down.add(i)
+        log.warning("%s; restarting it", exc)
+        task = asyncio.create_task(self._recover(i), name=f"recover-{self.engines[i].name}")
+        self._recovering[i] = task
+
+    async def _recover(self, i: int) -> None:
+        e = self.engines[i]
+        try:
+            await e.recover()
+            while True:  # a sync may move the version while the worker loads
+                # A sync under way has set the new weights already: a worker back before it
+                # ends is not among the engines it loads, so it loads them itself.
+                v = max(self.version, self._weights_version)
+                await e.update_weights(v, self._weights)
+                if v == max(self.version, self._weights_version):
+                    break
+        except WorkerLost as exc:
+            self._recovering.pop(i, None)
+            self._down.discard(i)
+            self.worker_lost(i, exc)  # lost again while coming back: another restart
+            return
+        except RestartsExhausted as exc:
+            self._failure = exc
+            self._wake.set()
+            return
+        self._recovering.pop(i, None)
+        self._down.discard(i)
+        self.faults.recovered(worker_key(i), asyncio.get_running_loop().time())
+        self._wake.set()
+
+    async def _each_up(self, call: str, *args: Any) -> None:
+        """``call`` on every live engine at once; one that is lost is restarted, not awaited."""
+        up = [i for i in range(len(self.engines)) if i not in self._down]
+        results = await asyncio.gather(*(getattr(self.engines[i], call)(*args) for i in up), return_exceptions=True)
+        for i, r in zip(up, results):
+            if isinstance(r, WorkerLost):
+                self.worker_lost(i, r)
+            elif isinstance(r, BaseException):
+                raise r
+
+    # -- control ------------------------------------------------------------------------------
+    async def pause(self, mode: PauseMode) -> None:
+        """Stop admitting; ``wait`` drains in-flight work, ``abort`` interrupts it."""
+        self._paused = True
+        if mode == "abort":
+            await self._abort_all()
+        if self._active:
+            await asyncio.wait(list(self._active))
+        await self._each_up("clear_cache")
+
+    async def _abort_all(self) -> None:
+        # One engine after the other: a simulated engine aborts without suspending, so no
+        # completion due at this instant slips in between (a remote one is one short RPC).
+        for i, e in enumerate(self.engines):
+            if i in self._down:
+                continue
+            try:
+                await e.abort_all()
+            except WorkerLost as exc:
+                self.worker_lost(i, exc)
+
+    async def update_weights(self, version: int, weights: Any = None) -> None:
+        """Every live engine loads ``weights`` (concurrently; one being restarted loads them once
+        back), then the queue's version gate moves: groups it evicts free their staleness budget.
+
+        Versions never go back: a trainer restored from a checkpoint older than the engines'
+        weights (one skipped, or ``checkpoint.every`` > 1) sends versions they have passed;
+        they keep the newer weights until it catches up."""
+        if version < self.version:
+            return
+        self._weights, self._weights_version = weights, version
+        await self._each_up("update_weights", version, weights)
+        self.version = version
+        self.dropped_from_queue(self.queue.set_version(version), "stale")
+
+    async def resume(self) -> None:
+        self._paused = False
+        self._wake.set()
+
+    async def stop(self) -> list[Group]:
+        """End of run: interrupt everything and hand back every group not yet queued."""
+        self._stopped = True
+        self._paused = True
+        await self._abort_all()
+        if self._active:
+            _, hung = await asyncio.wait(list(self._active), timeout=self.stop_timeout_s)
+            for task in hung:
+                task.cancel()
+            await asyncio.gather(*hung, return_exceptions=True)
+        for task in list(self._recovering.values()):
+            task.cancel()
+        await asyncio.gather(*self._recovering.values(), return_exceptions=True)
+        self._recovering.clear()
+        self._wake.set()
+        left = list(self.retry_queue) + list(self.cancel_queue)
+        self.retry_queue.clear()
+        self.cancel_queue.clear()
+        return left
+
+    def recovering(self) -> bool:
+        """A worker is being restarted (a checkpoint now would not be of a quiet rollout)."""
+        return bool(self._down)
+
+    def state(self) -> dict:
+        """What a checkpoint keeps besides the groups (taken while paused, nothing running)."""
+        return {"version": self.version, "admitted": self.admitted, "next_prompt": self._next_prompt}
+
+    def restore(self, state: dict, interrupted: list[Group], retry: list[Group], paused: bool) -> None:
+        self.version, self.admitted, self._next_prompt = state["version"], state["admitted"], state["next_prompt"]
+        self._paused = paused
+        self.cancel_queue.extend(interrupted)
+        self.retry_queue.extend(retry)
+
+    def in_flight(self) -> int:
+        """Samples held here: generating, interrupted, or waiting to be generated again."""
+        return self._holding + sum(g.size for g in self.cancel_queue) + sum(g.size for g in self.retry_queue)
+

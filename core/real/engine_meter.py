@@ -1,0 +1,59 @@
+"""What a real engine counts, the same way for torch and vLLM: busy time, the running batch
+integrated over time, tokens, and the GENERATE spans of the timeline."""
+
+from __future__ import annotations
+
+from typing import Optional, Sized
+
+from core.model.sample import Sample
+from core.model.timeline import GENERATE, Timeline
+
+
+class EngineMeter:
+    """Base of the real engines. ``self._live`` (any sized container) holds the requests
+    submitted and not yet finished or aborted; busy means it is not empty."""
+
+    name: str
+    timeline: Optional[Timeline]
+    _live: Sized
+
+    def _init_meter(self) -> None:
+        self.tokens_generated = 0
+        self.prefill_tokens = 0
+        self.busy_s = 0.0
+        self.seq_s = 0.0
+        self._t = 0.0  # time the counters were last advanced to
+        self._busy_since: Optional[float] = None
+
+    def _advance(self, now: float) -> None:
+        if self._live and now > self._t:
+            self.seq_s += len(self._live) * (now - self._t)
+        self._t = max(self._t, now)
+
+    def _busy(self, now: float) -> None:
+        if self._busy_since is None:
+            self._busy_since = now
+
+    def _idle(self, now: float) -> None:
+        if self._busy_since is not None and not self._live:
+            self.busy_s += now - self._busy_since
+            if self.timeline is not None:
+                self.timeline.add(self.name, GENERATE, self._busy_since, now)
+            self._busy_since = None
+
+    def _deliver(self, sample: Sample, tokens: list[int], logprobs: list[float], finished: bool, now: float) -> None:
+        """Hand a request's tokens (all it produced since it was submitted) to its sample."""
+        if tokens:
+            sample.add_tokens(len(tokens), self.version, tokens, logprobs)
+            self.tokens_generated += len(tokens)
+        if finished:
+            sample.finished = True
+            sample.finished_at = now
+
+    def state(self) -> dict:
+        """The counters, for a whole-run checkpoint (taken while rollout is paused)."""
+        return {"tokens_generated": self.tokens_generated, "prefill_tokens": self.prefill_tokens, "busy_s": self.busy_s, "seq_s": self.seq_s}
+
+    def restore(self, st: dict) -> None:
+        self.tokens_generated, self.prefill_tokens = st["tokens_generated"], st["prefill_tokens"]
+        self.busy_s, self.seq_s = st["busy_s"], st["seq_s"]

@@ -1,0 +1,340 @@
+"""A real rollout engine on plain transformers: continuous batching over a padded KV cache.
+
+One decode-loop task serves every in-flight request. Requests that arrive while the loop
+runs join at the next step: they are prefilled on their own (identical contexts, such as
+the fresh samples of a group, are prefilled once) and merged into the running batch by
+left-padding the shorter of the two caches. Forward passes run in a worker thread so the
+event loop stays responsive; all bookkeeping happens on the event loop between steps.
+
+Implements the ``Engine`` protocol of ``core/api.py`` with real tokens and log-probs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from core.model.sample import Group, Sample
+from core.real.engine_meter import EngineMeter
+from core.real.tiny_model import load_model
+from core.model.timeline import Timeline
+
+log = logging.getLogger(__name__)
+
+
+class _Request:
+    __slots__ = ("sample", "context", "max_tokens", "tokens", "logprobs", "future", "done")
+
+    def __init__(self, sample: Sample, context: list[int], max_tokens: int, future: asyncio.Future) -> None:
+        self.sample = sample
+        self.context = context
+        self.max_tokens = max_tokens
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.future = future
+        self.done = False  # finished or aborted: its row is dropped at the next step
+
+
+class TorchEngine(EngineMeter):
+    """A rollout engine running a Hugging Face causal LM with batched sampling."""
+
+    def __init__(
+        self,
+        name: str,
+        model_dir: str | Path,
+        *,
+        max_num_seqs: int = 64,
+        temperature: float = 1.0,
+        seed: int = 0,
+        threads: int = 1,
+        timeline: Optional[Timeline] = None,
+        device: str = "cpu",
+    ) -> None:
+        self.name = name
+        self.model_dir = Path(model_dir)
+        self.max_num_seqs = max_num_seqs
+        # Public so tests can switch to greedy (0.0) between generations.
+        self.temperature = temperature
+        self.seed = seed
+        self.threads = threads
+        self.timeline = timeline
+        self.device = torch.device(device)
+        self.version = 0
+        self._init_meter()
+        self.model = None
+        self.eos_token_id: int = -1
+        self.max_positions: int = 0
+        self._gen: Optional[torch.Generator] = None
+        self._waiting: deque[_Request] = deque()
+        self._rows: list[_Request] = []  # one per batch row, aligned with the cache
+        self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer [B, H, L, D]
+        self._mask = torch.zeros(0, 0, dtype=torch.long)  # [B, L]; 0 on left padding
+        self._pos = torch.zeros(0, dtype=torch.long)  # next position id of each row
+        self._last = torch.zeros(0, dtype=torch.long)  # last sampled token of each row
+        self._task: Optional[asyncio.Task] = None
+        self._live: set[_Request] = set()  # submitted, not yet finished or aborted
+
+    # -- protocol ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        torch.set_num_threads(self.threads)
+        self.model = await asyncio.to_thread(self._load)
+        cfg = self.model.config
+        eos = cfg.eos_token_id
+        self.eos_token_id = int(eos[0] if isinstance(eos, (list, tuple)) else eos)
+        self.max_positions = int(cfg.max_position_embeddings)
+        self._gen = torch.Generator(device=self.device).manual_seed(self.seed)
+        log.info("%s: loaded %s on %s", self.name, self.model_dir, self.device)
+
+    def _load(self):
+        return load_model(self.model_dir).to(self.device).eval()
+
+    async def generate(self, group: Group, max_response_len: int) -> bool:
+        """Generate every unfinished response of ``group``; False if aborted first."""
+        if self.model is None:
+            raise RuntimeError(f"{self.name}: start() the engine first")
+        loop = asyncio.get_running_loop()
+        reqs = []
+        for s in group.unfinished():
+            context = [int(t) for t in s.prompt_tokens] + list(s.response_tokens)
+            want = min(max_response_len - s.n_response, self.max_positions - len(context))
+            if want <= 0:  # resumed at the cap
+                s.finished = True
+                s.finished_at = loop.time()
+                continue
+            reqs.append(_Request(s, context, want, loop.create_future()))
+        if not reqs:
+            return True
+        self._advance(loop.time())
+        self._live.update(reqs)
+        self._busy(loop.time())
+        self._waiting.extend(reqs)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name=f"{self.name}-decode")
+        try:
+            results = await asyncio.gather(*(r.future for r in reqs))
+        except asyncio.CancelledError:
+            # The caller gave up: stop its requests as an abort would, keeping what was seen.
+            for req in reqs:
+                if not req.done:
+                    self._release(req, finished=False)
+            raise
+        return all(results)
+
+    async def abort_all(self) -> int:
+        """Interrupt every request; tokens already seen stay on their samples."""
+        # Requests being prefilled are in neither queue nor batch: abort from the live set.
+        reqs = list(self._live)
+        for req in reqs:
+            self._release(req, finished=False)
+        self._waiting.clear()
+        return len(reqs)
+
+    async def update_weights(self, version: int, weights: Optional[dict[str, np.ndarray]] = None) -> None:
+        if self._live:
+            raise RuntimeError(f"{self.name}: update_weights with requests in flight; pause the rollout first")
+        # An aborted step may still be running in the worker thread; never write under it.
+        if self._task is not None:
+            await self._task
+        if self._live:
+            raise RuntimeError(f"{self.name}: requests were submitted during update_weights")
+        if weights is not None:
+            await asyncio.to_thread(self._load_weights, weights)
+        self.version = version
+
+    def _load_weights(self, weights: dict[str, np.ndarray]) -> None:
+        state = {k: torch.from_numpy(np.asarray(v)) for k, v in weights.items()}
+        with torch.no_grad():
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
+        tied = getattr(self.model.config, "tie_word_embeddings", False)
+        missing = [k for k in missing if not (tied and k == "lm_head.weight")]
+        if missing or unexpected:
+            raise ValueError(f"{self.name}: weights do not match the model: missing {missing}, unexpected {unexpected}")
+
+    async def clear_cache(self) -> None:
+        """KV rows are dropped as soon as their request ends: nothing is cached across requests."""
+
+    async def close(self, now: float) -> None:
+        await self.abort_all()
+        if self._task is not None:
+            await self._task
+        self._advance(now)
+        self._idle(now)
+        self.model = None
+
+    # -- bookkeeping on the event loop --------------------------------------------------------
+    def _release(self, req: _Request, finished: bool) -> None:
+        now = asyncio.get_running_loop().time()
+        self._advance(now)
+        req.done = True
+        self._deliver(req.sample, req.tokens, req.logprobs, finished, now)
+        self._live.discard(req)
+        self._idle(now)
+        if not req.future.done():
+            req.future.set_result(finished)
+
+    def _accept(self, rows: list[_Request], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Record one sampled token per row; finish the rows that stop."""
+        toks = tokens.tolist()
+        lps = logprobs.tolist()
+        for req, tok, lp in zip(rows, toks, lps):
+            if req.done:  # aborted while the step ran: the token is never seen
+                continue
+            req.tokens.append(tok)
+            req.logprobs.append(lp)
+            if tok == self.eos_token_id or len(req.tokens) >= req.max_tokens:
+                self._release(req, finished=True)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                self._drop_done()
+                room = self.max_num_seqs - len(self._rows)
+                if self._waiting and room > 0:
+                    new = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+                    now = loop.time()
+                    for req in new:
+                        if req.sample.started_at != req.sample.started_at:  # NaN: first time scheduled
+                            req.sample.started_at = now
+                    toks, lps = await asyncio.to_thread(self._prefill, new)
+                    self._accept(new, toks, lps)
+                elif self._rows:
+                    rows = list(self._rows)
+                    toks, lps = await asyncio.to_thread(self._decode)
+                    self._accept(rows, toks, lps)
+                else:
+                    return
+        except Exception as exc:
+            log.exception("%s: decode loop failed", self.name)
+            self._advance(loop.time())
+            for req in list(self._live):
+                req.done = True
+                self._live.discard(req)
+                if not req.future.done():
+                    req.future.set_exception(exc)
+            self._idle(loop.time())
+            self._rows, self._waiting = [], deque()
+            self._reset_cache()
+
+    # -- the batch, touched only by the decode loop (in the worker thread or between steps) ---
+    def _reset_cache(self) -> None:
+        self._kv = []
+        self._mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
+        self._pos = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._last = torch.zeros(0, dtype=torch.long, device=self.device)
+
+    def _drop_done(self) -> None:
+        keep = [i for i, r in enumerate(self._rows) if not r.done]
+        if len(keep) == len(self._rows):
+            return
+        if not keep:
+            self._rows = []
+            self._reset_cache()
+            return
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        mask = self._mask.index_select(0, idx)
+        # Columns that are padding for every remaining row are dead weight in every step.
+        live_cols = mask.any(dim=0).nonzero()
+        first = int(live_cols[0]) if len(live_cols) else mask.shape[1]
+        self._kv = [(k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:]) for k, v in self._kv]
+        self._mask = mask[:, first:]
+        self._pos = self._pos.index_select(0, idx)
+        self._last = self._last.index_select(0, idx)
+        self._rows = [self._rows[i] for i in keep]
+
+    def _cache(self):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        for layer, (k, v) in zip(cache.layers, self._kv):
+            layer.dtype, layer.device = k.dtype, k.device
+            layer.keys, layer.values = k, v
+            layer.is_initialized = True
+        return cache
+
+    def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = logits.float()
+        if self.temperature > 0:
+            logp = torch.log_softmax(logits / self.temperature, dim=-1)
+            tok = torch.multinomial(logp.exp(), 1, generator=self._gen).squeeze(1)
+        else:
+            logp = torch.log_softmax(logits, dim=-1)
+            tok = logp.argmax(dim=-1)
+        return tok, logp.gather(1, tok[:, None]).squeeze(1)
+
+    @torch.inference_mode()
+    def _prefill(self, new: list[_Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill ``new`` requests, merge them into the batch; returns their first tokens."""
+        # Identical contexts share one prefill: a fresh group's samples all hold the same prompt.
+        unique: dict[tuple[int, ...], list[int]] = {}
+        for i, req in enumerate(new):
+            unique.setdefault(tuple(req.context), []).append(i)
+        by_len: dict[int, list[tuple[int, ...]]] = {}
+        for ctx in unique:
+            by_len.setdefault(len(ctx), []).append(ctx)
+        logits = [None] * len(new)
+        parts = []  # (rows, kv, length) of each prefilled bucket, expanded to one row per request
+        for length, ctxs in by_len.items():
+            ids = torch.tensor(ctxs, dtype=torch.long, device=self.device)
+            out = self.model(input_ids=ids, use_cache=True)
+            self.prefill_tokens += ids.numel()
+            rep = torch.tensor([j for j, ctx in enumerate(ctxs) for _ in unique[ctx]], device=self.device)
+            order = [i for ctx in ctxs for i in unique[ctx]]
+            last = out.logits[:, -1].index_select(0, rep)
+            for r, i in enumerate(order):
+                logits[i] = last[r]
+            layers = out.past_key_values.layers
+            kv = [(lay.keys.index_select(0, rep), lay.values.index_select(0, rep)) for lay in layers]
+            parts.append((order, kv, length))
+        tok, lp = self._sample(torch.stack(logits))
+        for order, kv, length in parts:
+            idx = torch.tensor(order, device=self.device)
+            self._merge([new[i] for i in order], kv, length, tok.index_select(0, idx))
+        return tok, lp
+
+    def _merge(self, rows: list[_Request], kv: list[tuple[torch.Tensor, ...]], length: int, last: torch.Tensor) -> None:
+        """Append prefilled rows (all of ``length`` tokens) to the batch, left-padding the shorter side."""
+        n = len(rows)
+        mask = torch.ones(n, length, dtype=torch.long, device=self.device)
+        if self._rows:
+            width = max(self._mask.shape[1], length)
+            a, b = width - self._mask.shape[1], width - length
+
+            def cat(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:  # [B, H, L, D] along L
+                return torch.cat([F.pad(old, (0, 0, a, 0)), F.pad(new, (0, 0, b, 0))])
+
+            self._kv = [(cat(k0, k1), cat(v0, v1)) for (k0, v0), (k1, v1) in zip(self._kv, kv)]
+            self._mask = torch.cat([F.pad(self._mask, (a, 0)), F.pad(mask, (b, 0))])
+        else:
+            self._kv, self._mask = kv, mask
+        pos = torch.full((n,), length, dtype=torch.long, device=self.device)
+        self._pos = torch.cat([self._pos, pos])
+        self._last = torch.cat([self._last, last])
+        self._rows.extend(rows)
+
+    @torch.inference_mode()
+    def _decode(self) -> tuple[torch.Tensor, torch.Tensor]:
+        b = len(self._rows)
+        mask = torch.cat([self._mask, torch.ones(b, 1, dtype=torch.long, device=self.device)], dim=1)
+        cache = self._cache()
+        out = self.model(
+            input_ids=self._last[:, None],
+            attention_mask=mask,
+            position_ids=self._pos[:, None],
+            past_key_values=cache,
+            use_cache=True,
+        )
+        self._kv = [(layer.keys, layer.values) for layer in cache.layers]
+        self._mask = mask
+        self._pos = self._pos + 1
+        tok, lp = self._sample(out.logits[:, -1])
+        self._last = tok
+        return tok, lp
+

@@ -1,0 +1,247 @@
+"""A real rollout engine on vLLM's ``AsyncLLM``: vLLM does the batching, this adapts the protocol.
+
+Each sample becomes one request whose prompt is the prompt plus the response so far, so a
+resumed sample re-prefills its partial response. Outputs stream as deltas and are kept per
+request until the request ends or is aborted, so an abort keeps exactly the tokens seen.
+Weights are loaded in place through ``reload_weights`` from a safetensors file in a fresh
+directory: tensors passed over the engine's RPC would be serialized into lists.
+
+Implements the ``Engine`` protocol of ``core/api.py``. vLLM is imported in ``start()``
+only, so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from core.model.sample import Group, Sample
+from core.real.engine_meter import EngineMeter
+from core.model.timeline import Timeline
+
+log = logging.getLogger(__name__)
+
+# Must be in the environment before vllm is imported; callers may override them.
+VLLM_ENV_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+class _Request:
+    __slots__ = ("id", "sample", "tokens", "logprobs", "task", "done")
+
+    def __init__(self, rid: str, sample: Sample) -> None:
+        self.id = rid
+        self.sample = sample
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.task: Optional[asyncio.Task] = None
+        self.done = False
+
+
+class VllmEngine(EngineMeter):
+    """A rollout engine backed by one vLLM ``AsyncLLM``."""
+
+    def __init__(
+        self,
+        name: str,
+        model_dir: str | Path,
+        *,
+        max_num_seqs: int = 64,
+        temperature: float = 1.0,
+        seed: int = 0,
+        threads: int = 1,
+        timeline: Optional[Timeline] = None,
+        device: str = "cpu",
+        max_model_len: int = 512,
+        kv_cache_gb: Optional[float] = None,
+        gpu_memory_utilization: float = 0.5,
+    ) -> None:
+        self.name = name
+        self.model_dir = Path(model_dir)
+        self.max_num_seqs = max_num_seqs
+        # Public so tests can switch to greedy (0.0) between generations.
+        self.temperature = temperature
+        self.seed = seed
+        # Unused on CPU: vLLM binds its own OpenMP threads (VLLM_CPU_OMP_THREADS_BIND).
+        self.threads = threads
+        self.timeline = timeline
+        self.device = device
+        self.max_model_len = max_model_len
+        self.kv_cache_gb = kv_cache_gb
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.version = 0
+        self._init_meter()
+        self.eos_token_id: int = -1
+        self._engine: Any = None
+        self._tied = False
+        self._ids = itertools.count()
+        self._live: dict[str, _Request] = {}
+
+    # -- protocol ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        for k, v in VLLM_ENV_DEFAULTS.items():
+            os.environ.setdefault(k, v)
+        if self.device == "cpu" and self.kv_cache_gb is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gb)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kwargs: dict[str, Any] = dict(
+            model=str(self.model_dir),
+            dtype="float32",
+            max_model_len=self.max_model_len,
+            enforce_eager=True,
+            max_num_seqs=self.max_num_seqs,
+            seed=self.seed,
+            # Behaviour log-probs must be those of the distribution sampled from (after temperature).
+            logprobs_mode="processed_logprobs",
+        )
+        if self.device != "cpu":
+            kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
+            if self.kv_cache_gb is not None:
+                kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_gb * 2**30)
+        self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        hf_config = self._engine.model_config.hf_config
+        self._tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        eos = hf_config.eos_token_id
+        self.eos_token_id = int(eos[0] if isinstance(eos, (list, tuple)) else eos)
+        log.info("%s: vLLM started on %s (%s)", self.name, self.model_dir, self.device)
+
+    async def generate(self, group: Group, max_response_len: int) -> bool:
+        """Generate every unfinished response of ``group``; False if aborted first."""
+        if self._engine is None:
+            raise RuntimeError(f"{self.name}: start() the engine first")
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        reqs = []
+        for s in group.unfinished():
+            context = [int(t) for t in s.prompt_tokens] + list(s.response_tokens)
+            want = min(max_response_len - s.n_response, self.max_model_len - len(context))
+            if want <= 0:  # resumed at the cap
+                s.finished = True
+                s.finished_at = now
+                continue
+            req = _Request(f"{self.name}-{next(self._ids)}", s)
+            req.task = asyncio.create_task(self._stream(req, context, want), name=req.id)
+            reqs.append(req)
+        if not reqs:
+            return True
+        self._advance(now)
+        for req in reqs:
+            self._live[req.id] = req
+            # vLLM's scheduler is not observable from here: submission stands for scheduling.
+            if req.sample.started_at != req.sample.started_at:  # NaN: first time scheduled
+                req.sample.started_at = now
+        self._busy(now)
+        results = await asyncio.gather(*(r.task for r in reqs), return_exceptions=True)
+        for r in results:
+            # A task aborted before it first ran ends cancelled rather than returning False.
+            if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
+                raise r
+        return all(r is True for r in results)
+
+    async def abort_all(self) -> int:
+        """Interrupt every request; tokens already seen stay on their samples."""
+        reqs = [r for r in self._live.values() if not r.done]
+        for req in reqs:
+            self._release(req, finished=False)
+            req.task.cancel()  # AsyncLLM.generate aborts the request in the engine when cancelled
+        if reqs:
+            await asyncio.gather(*(r.task for r in reqs), return_exceptions=True)
+        return len(reqs)
+
+    async def update_weights(self, version: int, weights: Optional[dict[str, np.ndarray]] = None) -> None:
+        if self._live:
+            raise RuntimeError(f"{self.name}: update_weights with requests in flight; pause the rollout first")
+        if weights is not None:
+            root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            wdir = tempfile.mkdtemp(prefix=f"asyncrl-{self.name}-w{version}-", dir=root)
+            try:
+                await asyncio.to_thread(_save, weights, wdir, self._tied)
+                await self._engine.collective_rpc("reload_weights", kwargs={"weights_path": wdir})
+            finally:
+                shutil.rmtree(wdir, ignore_errors=True)
+            # Cached prefixes hold KV of the old weights.
+            await self.clear_cache()
+        self.version = version
+
+    async def clear_cache(self) -> None:
+        """Drop vLLM's prefix cache; retried while just-aborted requests still hold blocks."""
+        for _ in range(100):
+            if await self._engine.reset_prefix_cache():
+                return
+            await asyncio.sleep(0.01)
+        raise RuntimeError(f"{self.name}: vLLM refused to reset its prefix cache (requests still running?)")
+
+    async def close(self, now: float) -> None:
+        await self.abort_all()
+        self._advance(now)
+        self._idle(now)
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+    # -- requests --------------------------------------------------------------------------------
+    async def _stream(self, req: _Request, context: list[int], max_tokens: int) -> bool:
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            logprobs=0,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        counted = False
+        stream = self._engine.generate(TokensPrompt(prompt_token_ids=context), params, request_id=req.id)
+        try:
+            async for out in stream:
+                if req.done:  # aborted: later tokens are never seen
+                    break
+                if not counted:
+                    counted = True
+                    self.prefill_tokens += len(context) - (out.num_cached_tokens or 0)
+                o = out.outputs[0]
+                for tok, lps in zip(o.token_ids, o.logprobs, strict=True):
+                    req.tokens.append(int(tok))
+                    req.logprobs.append(float(lps[tok].logprob))
+                if o.finish_reason is not None and o.finish_reason != "abort":
+                    self._release(req, finished=True)
+                    return True
+        except asyncio.CancelledError:
+            if not req.done:  # cancelled from outside the engine: count it as an abort
+                self._release(req, finished=False)
+            return False
+        finally:
+            await stream.aclose()  # aborts the request in vLLM if it is still running
+        if not req.done:
+            self._release(req, finished=False)
+        return False
+
+    # -- bookkeeping -------------------------------------------------------------------------------
+    def _release(self, req: _Request, finished: bool) -> None:
+        now = asyncio.get_running_loop().time()
+        self._advance(now)
+        req.done = True
+        self._deliver(req.sample, req.tokens, req.logprobs, finished, now)
+        self._live.pop(req.id, None)
+        self._idle(now)
+
+
+def _save(weights: dict[str, np.ndarray], wdir: str, tied: bool) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in weights.items()}
+    # A reload without lm_head.weight leaves vLLM's LM head on its old tensor (the tie is not
+    # re-established), so the tied head is written out explicitly, as its own copy.
+    if tied and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, os.path.join(wdir, "model.safetensors"))

@@ -1,0 +1,328 @@
+"""The real trainer: GRPO on a Hugging Face causal LM with torch, for the local and ray runtimes.
+
+One trainer step takes whole groups (the n responses to one prompt) and makes
+``learn.minibatches`` Adam updates on slices of whole groups. Per response token t of
+sample i in group g:
+
+    A_i      = (R_i - mean_g R) / (std_g R + eps)          0 for a group whose rewards are all equal
+    pi       = softmax(logits / T)                          T: the rollout temperature, so train and
+                                                             behaviour log-probs are the same quantity
+    plain    loss_t = -w_t * A_i * log pi_theta(t)           w_t = min(pi_theta / pi_behaviour, is_cap)
+    decoupled loss_t = -w_t * min(r_t A_i, clip(r_t, 1-eps, 1+eps) A_i)
+                     r_t = pi_theta / pi_prox,  w_t = min(pi_prox / pi_behaviour, is_cap)
+
+``w`` is always detached: truncated importance sampling (TIS) corrects for the rollout
+policy being older than the trained one, and the cap bounds the variance it adds. In the
+decoupled form (AReaL's decoupled PPO) pi_prox comes from one no-grad forward with the
+weights at the start of the step: the trust region is measured against it, while the
+off-policy correction to the behaviour policy is the capped weight. The loss is the mean over
+the response tokens of the minibatch; prompt tokens are context only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from core.model.config import LearnSpec
+from core.api import Batch
+from core.model.sample import Sample
+
+log = logging.getLogger(__name__)
+
+ADV_EPS = 1e-6
+
+
+def group_advantages(rewards: np.ndarray) -> np.ndarray:
+    """(r - mean) / (std + eps) of one group; all zeros when the rewards do not differ, because
+    float rounding of the mean would otherwise turn "no signal" into tiny spurious advantages."""
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.size == 0 or np.ptp(r) == 0.0:
+        return np.zeros_like(r, dtype=np.float32)
+    return ((r - r.mean()) / (r.std() + ADV_EPS)).astype(np.float32)
+
+
+def peak_flops(threads: int, device: str = "cpu") -> float:
+    """Achievable fp32 FLOP/s of ``device`` with ``threads`` intra-op threads, MEASURED by a short
+    (< 1 s) square-GEMM probe; not a datasheet figure. The denominator of the trainer's MFU."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        n = 1024 if device == "cpu" else 4096
+        a = torch.randn(n, n, device=device)
+        b = torch.randn(n, n, device=device)
+        sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+        a @ b  # warm-up: thread pool, allocator, kernel selection
+        sync()
+        best = 0.0
+        t_end = time.perf_counter() + 0.6
+        while time.perf_counter() < t_end:
+            t0 = time.perf_counter()
+            a @ b
+            sync()
+            dt = time.perf_counter() - t0
+            best = max(best, 2.0 * n**3 / dt)
+        return best
+    finally:
+        torch.set_num_threads(old)
+
+
+class _Batch:
+    """Right-padded token ids of a list of samples and, per target position, what the loss needs."""
+
+    def __init__(self, samples: list[Sample], adv: np.ndarray, weight: np.ndarray, device: str) -> None:
+        seqs = [
+            np.concatenate([np.asarray(s.prompt_tokens, dtype=np.int64), np.asarray(s.response_tokens, dtype=np.int64)])
+            for s in samples
+        ]
+        lens = [len(x) for x in seqs]
+        T = max(lens)
+        B = len(samples)
+        ids = np.zeros((B, T), dtype=np.int64)
+        attn = np.zeros((B, T), dtype=np.int64)
+        # Targets are shifted by one: position j of these arrays is token j+1 of the sequence.
+        mask = np.zeros((B, T - 1), dtype=np.float32)
+        beh = np.zeros((B, T - 1), dtype=np.float32)
+        a = np.zeros((B, T - 1), dtype=np.float32)
+        for i, (s, x) in enumerate(zip(samples, seqs)):
+            ids[i, : len(x)] = x
+            attn[i, : len(x)] = 1
+            p, n = len(s.prompt_tokens), len(s.response_tokens)
+            if len(s.logprobs) != n:
+                raise ValueError(f"sample {s.uid}: {n} response tokens but {len(s.logprobs)} logprobs")
+            mask[i, p - 1 : p - 1 + n] = 1.0
+            beh[i, p - 1 : p - 1 + n] = s.logprobs
+            a[i, p - 1 : p - 1 + n] = adv[i]
+        self.ids = torch.from_numpy(ids).to(device)
+        self.attn = torch.from_numpy(attn).to(device)
+        self.mask = torch.from_numpy(mask).to(device)
+        self.beh = torch.from_numpy(beh).to(device)
+        self.adv = torch.from_numpy(a).to(device)
+        # Each sample's importance weight (a prioritized replay draw's), on all its tokens.
+        self.weight = torch.from_numpy(np.asarray(weight, dtype=np.float32).reshape(B, 1)).to(device)
+        self.tokens = int(sum(lens))
+        self.tokens_sq = int(sum(n * n for n in lens))
+        self.response_tokens = int(mask.sum())
+
+
+class TorchTrainBackend:
+    """GRPO trainer step of a real model; same protocol as ``SimTrainBackend``."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        learn: LearnSpec,
+        *,
+        threads: int,
+        device: str = "cpu",
+        seed: int = 0,
+        temperature: float = 1.0,
+    ) -> None:
+        from transformers import Qwen2ForCausalLM
+
+        self.learn = learn
+        self.threads = threads
+        self.device = device
+        self.temperature = float(temperature)
+        torch.set_num_threads(threads)
+        torch.manual_seed(seed)
+        # On CPU, torch's SDPA kernels are 3-40x slower than eager attention at these sizes
+        # (measured: padded batch of 64 x 80 tokens, 2 threads; decode with a padding mask worst).
+        attn = "eager" if device == "cpu" else "sdpa"
+        self.model = Qwen2ForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.float32, attn_implementation=attn, use_safetensors=True,  # never a pickle
+        ).to(device)
+        self.model.train()
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=learn.lr)
+        cfg = self.model.config
+        self.params = sum(p.numel() for p in self.model.parameters())
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self._attn_width = cfg.num_hidden_layers * cfg.num_attention_heads * head_dim
+        self.compute_s = 0.0
+        self.flops = 0.0
+        self.peak_flops = 0.0  # set by whoever measured the devices (core/real/workers.py)
+        self.steps = 0
+        # weights() may be called from another thread than the step's worker.
+        self._lock = threading.Lock()
+
+    # ---- the protocol -------------------------------------------------------------------
+
+    tensor_files = ("weights", "optimizer")
+
+    async def train_step(self, batch: Batch, version: int) -> dict:
+        # The step's math releases the GIL, so the caller's loop keeps scheduling meanwhile.
+        return await asyncio.to_thread(self._train_step, batch, version)
+
+    # ---- weights ------------------------------------------------------------------------
+
+    def weights(self) -> dict[str, np.ndarray]:
+        """Float32 numpy copies under the names ``save_pretrained`` writes (a tied lm_head once)."""
+        with self._lock, torch.no_grad():
+            return {n: p.detach().to("cpu", torch.float32).numpy().copy() for n, p in self.model.named_parameters()}
+
+    def load_weights(self, weights: dict[str, np.ndarray]) -> None:
+        with self._lock, torch.no_grad():
+            params = dict(self.model.named_parameters())
+            missing = params.keys() - weights.keys()
+            extra = weights.keys() - params.keys()
+            if missing or extra:
+                raise KeyError(f"weights do not match the model: missing {sorted(missing)}, unexpected {sorted(extra)}")
+            for n, p in params.items():
+                w = weights[n]
+                if tuple(w.shape) != tuple(p.shape):
+                    raise ValueError(f"{n}: shape {tuple(w.shape)}, model has {tuple(p.shape)}")
+                p.copy_(torch.from_numpy(np.asarray(w, dtype=np.float32)))
+
+    def state_dict(self) -> dict[str, dict[str, np.ndarray]]:
+        """What a checkpoint keeps of the trainer: weights and Adam's moments, by parameter name."""
+        with self._lock, torch.no_grad():
+            opt = {}
+            for n, p in self.model.named_parameters():
+                st = self.opt.state.get(p)
+                if st:
+                    for k, v in st.items():
+                        opt[f"{n}::{k}"] = v.detach().to("cpu").numpy().copy()
+        return {"weights": self.weights(), "optimizer": opt}
+
+    def load(self, tensors: dict[str, dict[str, np.ndarray]]) -> None:
+        """Back to a checkpoint: weights and optimizer state as ``state_dict`` wrote them."""
+        self.load_weights(tensors["weights"])
+        with self._lock, torch.no_grad():
+            params = dict(self.model.named_parameters())
+            self.opt.state.clear()
+            for key, v in tensors["optimizer"].items():
+                name, _, k = key.partition("::")
+                if name not in params:
+                    raise KeyError(f"optimizer state for unknown parameter {name!r}")
+                p = params[name]
+                self.opt.state[p][k] = torch.from_numpy(np.array(v)).to(p.device if v.ndim else "cpu")
+
+    # ---- the math -----------------------------------------------------------------------
+
+    def _logprobs(self, batch: _Batch) -> torch.Tensor:
+        """log pi(target) at temperature T, shape (B, T-1)."""
+        logits = self.model(input_ids=batch.ids, attention_mask=batch.attn, use_cache=False).logits[:, :-1]
+        logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+        return logp.gather(-1, batch.ids[:, 1:, None]).squeeze(-1)
+
+    def _loss(self, batch: _Batch, prox: Optional[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        lp = self._logprobs(batch)
+        m = batch.mask
+        ntok = m.sum().clamp(min=1.0)
+        cap = self.learn.is_cap
+        if prox is None:
+            log_w = (lp.detach() - batch.beh) * m
+            w = torch.exp(log_w).clamp(max=cap)
+            per_tok = -w * batch.adv * lp
+            clipped = torch.zeros_like(m)
+        else:
+            log_w = (prox - batch.beh) * m
+            w = torch.exp(log_w).clamp(max=cap)
+            ratio = torch.exp((lp - prox) * m)
+            eps = self.learn.clip_eps
+            s1 = ratio * batch.adv
+            s2 = ratio.clamp(1.0 - eps, 1.0 + eps) * batch.adv
+            per_tok = -w * torch.minimum(s1, s2)
+            clipped = (s2 < s1).float()
+        loss = (per_tok * batch.weight * m).sum() / ntok
+        stats = {
+            "is_weight_sum": float((w * m).sum()),
+            "is_truncated": float(((torch.exp(log_w) > cap).float() * m).sum()),
+            "clipped": float((clipped * m).sum()),
+            "ntok": float(m.sum()),
+        }
+        return loss, stats
+
+    def _minibatches(self, batch: Batch) -> list[Batch]:
+        n = len(batch)
+        k = max(1, min(self.learn.minibatches, n))
+        edges = np.linspace(0, n, k + 1).round().astype(int)
+        return [batch.tail(a).head(b - a) for a, b in zip(edges[:-1], edges[1:]) if b > a]
+
+    def _batch(self, batch: Batch) -> _Batch:
+        samples: list[Sample] = []
+        adv: list[np.ndarray] = []
+        for g in batch.groups:
+            samples.extend(g.samples)
+            adv.append(group_advantages(np.array([s.reward or 0.0 for s in g.samples])))
+        return _Batch(samples, np.concatenate(adv) if adv else np.zeros(0, np.float32), batch.sample_weights(), self.device)
+
+    def gradient(self, batch: Batch, decoupled: Optional[bool] = None) -> dict[str, torch.Tensor]:
+        """The loss gradient on ``batch`` as one minibatch, without an update (tests, diagnostics)."""
+        decoupled = self.learn.decoupled if decoupled is None else decoupled
+        with self._lock:
+            batch = self._batch(batch)
+            prox = None
+            if decoupled:
+                with torch.no_grad():
+                    prox = self._logprobs(batch)
+            self.model.zero_grad(set_to_none=True)
+            loss, _ = self._loss(batch, prox)
+            loss.backward()
+            out = {
+                n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                for n, p in self.model.named_parameters()
+            }
+            self.model.zero_grad(set_to_none=True)
+            return out
+
+    def _train_step(self, step_batch: Batch, version: int) -> dict:
+        torch.set_num_threads(self.threads)  # intra-op threads are per OS thread under OpenMP
+        t0 = time.perf_counter()
+        groups = step_batch.groups
+        with self._lock:
+            batches = [self._batch(mb) for mb in self._minibatches(step_batch)]
+            prox: list[Optional[torch.Tensor]] = [None] * len(batches)
+            if self.learn.decoupled:
+                # All proximal log-probs come from the weights at the start of the step, before any update.
+                with torch.no_grad():
+                    prox = [self._logprobs(b) for b in batches]
+            losses, norms = [], []
+            acc = {"is_weight_sum": 0.0, "is_truncated": 0.0, "clipped": 0.0, "ntok": 0.0}
+            for b, px in zip(batches, prox):
+                loss, st = self._loss(b, px)
+                for k in acc:
+                    acc[k] += st[k]
+                losses.append(float(loss.detach()))
+                if not bool((b.adv != 0).any()):
+                    continue  # no signal in this slice: Adam's momentum alone should not move the weights
+                self.opt.zero_grad(set_to_none=True)
+                loss.backward()
+                norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.learn.grad_clip)))
+                self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        tokens = sum(b.tokens for b in batches)
+        tokens_sq = sum(b.tokens_sq for b in batches)
+        passes = 3.0 + (1.0 if self.learn.decoupled else 0.0)
+        # Same convention as core.sim.costs.TrainCost: 2P FLOPs per token per forward, backward twice that.
+        flops = 2.0 * passes * self.params * tokens + 2.0 * passes * self._attn_width * tokens_sq
+        self.compute_s += dt
+        self.flops += flops
+        self.steps += 1
+        rewards = [s.reward or 0.0 for g in groups for s in g.samples]
+        ntok = max(acc["ntok"], 1.0)
+        log.debug("step %d (version %d): %d tokens, %d updates, %.3f s", self.steps, version, tokens, len(norms), dt)
+        return {
+            "loss": float(np.mean(losses)) if losses else 0.0,
+            "reward_mean": float(np.mean(rewards)) if rewards else 0.0,
+            "is_weight_mean": acc["is_weight_sum"] / ntok,
+            "is_truncated_frac": acc["is_truncated"] / ntok,
+            "clip_frac": acc["clipped"] / ntok,
+            "grad_norm": float(np.mean(norms)) if norms else 0.0,
+            "updates": len(norms),
+            "tokens": tokens,
+            "response_tokens": int(acc["ntok"]),
+            "flops": flops,
+            "compute_s": dt,
+            "version": version,
+        }

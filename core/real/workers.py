@@ -1,0 +1,92 @@
+"""The real workers: engines, the torch trainer, and how weights move between them in one process.
+
+The local runtime (core/runtimes/local.py) builds them in its process; the ray runtime
+(core/runtimes/ray.py) builds the same classes inside actors. Which device a role uses, and how many threads, follow from
+the placement: on a machine without a GPU a device is one CPU core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Optional
+
+import numpy as np
+
+from core.model.config import Scenario
+from core.model.timeline import Timeline
+from core.real.engine_vllm import VllmEngine
+
+# The environment of every process of a real run. No model hub is reachable (or wanted):
+# everything loads from the local model directory.
+REAL_RUNTIME_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def apply_env() -> None:
+    """Set the real runtimes' environment defaults in this process (before torch, transformers
+    or vLLM are imported)."""
+    import os
+
+    for k, v in REAL_RUNTIME_ENV.items():
+        os.environ.setdefault(k, v)
+
+
+def device() -> str:
+    """``cuda`` when torch sees a GPU, else ``cpu``."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_engine(sc: Scenario, name: str, threads: int, timeline: Optional[Timeline], seed: int):
+    """One rollout engine of the scenario's kind (not started)."""
+    common = dict(
+        max_num_seqs=sc.rollout.max_num_seqs,
+        temperature=sc.engine.temperature,
+        seed=seed,
+        threads=threads,
+        timeline=timeline,
+        device=device(),
+    )
+    if sc.engine.kind == "torch":
+        from core.real.engine_torch import TorchEngine  # imports torch: only a real run pays for it
+
+        return TorchEngine(name, sc.tiny_model.path, **common)
+    if sc.engine.kind == "vllm":
+        return VllmEngine(
+            name,
+            sc.tiny_model.path,
+            max_model_len=sc.tiny_model.max_positions,
+            kv_cache_gb=sc.engine.vllm_kv_cache_gb,
+            gpu_memory_utilization=sc.engine.vllm_gpu_memory_utilization,
+            **common,
+        )
+    raise ValueError(f"engine.kind {sc.engine.kind!r} has no real engine")
+
+
+def make_backend(sc: Scenario, threads: int):
+    """The torch GRPO trainer, with its device's peak FLOP/s measured for ``util/mfu``."""
+    from core.real.grpo import TorchTrainBackend, peak_flops  # imports torch: only a real run pays for it
+
+    dev = device()
+    backend = TorchTrainBackend(
+        sc.tiny_model.path, sc.learn, threads=threads, device=dev, seed=sc.seed, temperature=sc.engine.temperature
+    )
+    backend.peak_flops = peak_flops(threads, dev)
+    return backend
+
+
+class LocalWeightTransfer:
+    """In one process the engines load a copy of the trainer's weights: no transfer but the copy."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.latest: Optional[tuple[int, dict]] = None
+
+    async def send(self, version: int) -> dict[str, np.ndarray]:
+        weights = await asyncio.to_thread(self.backend.weights)
+        self.latest = (version, weights)
+        return weights

@@ -1,0 +1,113 @@
+"""The local runtime: every component in this process, on the real clock, with real engines
+(torch or vLLM) and the torch GRPO trainer. A device of the scenario's resources is a GPU
+when torch sees one, else one CPU core."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from core.model.config import Placement, Scenario
+from core.model.result import RunResult
+from core.model.timeline import Timeline
+from core.pipeline.wiring import ProgressFn, Workers, connect_components
+from core.real.evaluation import Evaluations
+from core.real.reward import TaskPrompts, TaskReward, make_task
+from core.real.tiny_model import ensure
+from core.real.workers import LocalWeightTransfer, apply_env, make_backend, make_engine
+from core.runtimes.inproc import drive
+from core.runtimes.run_checkpoint import restore_latest
+from core.sim.workload import Workload
+
+ProcessesFn = Callable[[list[tuple[str, int]]], None]
+
+
+def local_workers(sc: Scenario, mode: str, timeline: Timeline) -> Workers:
+    """Engines, trainer and reward in this process, each with the threads its devices give."""
+    apply_env()
+    ensure(sc.tiny_model.path, sc.tiny_model)
+    place = Placement.of(sc, mode)
+    engines = [
+        make_engine(sc, f"engine{i:03d}", place.gpus_per_engine, timeline, seed=sc.seed * 1000 + i)
+        for i in range(place.engines)
+    ]
+    backend = make_backend(sc, place.trainer_gpus)
+    task = make_task(sc)
+    return Workers(
+        engines, backend, LocalWeightTransfer(backend), TaskPrompts(task), TaskReward(task),
+        spread=Workload(sc.workload, sc.seed).reward_spread,
+    )
+
+
+class RealClockLoop(asyncio.SelectorEventLoop):
+    """The ordinary event loop with ``time()`` counted from its creation, so a real run's
+    times start at 0 like a simulated one's."""
+
+    def __init__(self) -> None:
+        self._t0 = time.monotonic()
+        super().__init__()
+
+    def time(self) -> float:
+        return time.monotonic() - self._t0
+
+    def zero(self) -> None:
+        """Start the clock again at 0 (once set-up is done). Only call it with no timer pending."""
+        self._t0 = time.monotonic()
+
+    def set_time(self, t: float) -> None:
+        """Go on from ``t`` (a resumed run continues at its checkpoint's time)."""
+        self._t0 = time.monotonic() - t
+
+
+def run_local(
+    sc: Scenario,
+    mode: str,
+    on_step: Optional[ProgressFn] = None,
+    on_processes: Optional[ProcessesFn] = None,
+    run_dir: Optional[Path] = None,
+    resume: bool = False,
+    stop_at_step: Optional[int] = None,
+) -> RunResult:
+    """Run one mode in this process on the real clock, with real engines and trainer.
+    ``run_dir`` keeps checkpoints; ``resume`` starts from the latest one there."""
+
+    async def main() -> RunResult:
+        loop = asyncio.get_running_loop()
+        timeline = Timeline()
+        workers = local_workers(sc, mode, timeline)
+        await asyncio.gather(*(e.start() for e in workers.engines))
+        if on_processes is not None:
+            on_processes([("driver", os.getpid())])
+        system = connect_components(sc, mode, workers, timeline, on_step, run_dir=run_dir)
+        evals = Evaluations(sc)
+        loop.zero()
+        point = restore_latest(system) if resume else None
+        watch = loop.create_task(_watch_versions(workers.transfer, evals))
+        try:
+            end_s = await drive(system, point, stop_at_step)
+        finally:
+            watch.cancel()
+        await evals.finish_local()
+        return system.result(end_s, evaluations=evals.results)
+
+    loop = RealClockLoop()
+    t0 = time.perf_counter()
+    try:
+        asyncio.set_event_loop(loop)
+        result = loop.run_until_complete(main())
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
+    result.wall_s = time.perf_counter() - t0
+    return result
+
+
+async def _watch_versions(transfer: LocalWeightTransfer, evals: Evaluations) -> None:
+    """Start an evaluation when a due version's weights are out; never waits on one."""
+    while True:
+        version, weights = transfer.latest or (0, None)  # version 0: the model directory's weights
+        evals.launch_local(weights, version, asyncio.get_running_loop().time())
+        await asyncio.sleep(0.05)

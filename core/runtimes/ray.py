@@ -1,0 +1,775 @@
+"""The ray runtime: every component a Ray actor, reached through a proxy with the same
+awaitable methods it has in one process (the seeds' proxy-wrapper pattern).
+
+    driver (run_ray) ── asyncio.wait ──► RolloutActor: Rollouter + staleness queue + ledger(produced, dropped)
+                                         │ EngineProxy ──► EngineActor × engines (torch or vLLM)
+                                         │ ServeReward ──► Serve deployment "reward" (reward.serve)
+                                     TrainerActor: Trainer + ParamSync + torch GRPO + ledger(trained)
+                                         │ QueueProxy / RolloutProxy ──► RolloutActor
+                                         └ ray.put(weights) once per version ─► every EngineActor gets the ObjectRef
+
+The wiring inside each actor is ``core.pipeline.wiring``'s (``connect_rollout`` / ``connect_trainer``),
+so the classes that run are the ones the sim and local runtimes run. Groups cross actors as
+codec bytes (their pickle is ``core.model.group_wire``'s codec record). A placement group pins one
+bundle per rollout engine and one for the trainer; ``sync`` colocates the trainer with the
+engines on their bundles, as the sim's colocated baseline does.
+
+Faults fire and the trainer is supervised through ``core.runtimes.supervision``, as in one
+process. Each process has its own monotonic clock: the driver measures every actor's offset
+once (the midpoint of a round trip) and moves their timestamps onto its own, zero at the
+start, in the ``RunResult`` it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from core.api import Batch, PauseMode
+from core.model.config import Placement, Scenario
+from core.model.faults import CallTimeout, FaultLog, FaultPlan, WorkerLost, worker_key
+from core.model.ledger import Ledger
+from core.model.result import EngineCounters, RunResult, SyncCounters, TrainerCounters
+from core.model.sample import Group
+from core.model.timeline import Timeline
+from core.pipeline.wiring import ProgressFn, Workers, connect_rollout, connect_trainer, end_rollout, make_queue, release_unused, trained_bound
+from core.real.evaluation import Evaluations
+from core.real.reward import ServeReward, TaskPrompts, TaskReward, deploy_reward, make_task
+from core.real.tiny_model import ensure
+from core.real.workers import REAL_RUNTIME_ENV, make_backend, make_engine
+from core.runtimes.local import ProcessesFn
+from core.runtimes.run_checkpoint import checkpoint_dir, restore_trainer_side, save_trainer_side
+from core.runtimes.supervision import FaultInjector, strike, supervise_trainer
+from core.sim.workload import Workload
+from core.store.checkpoint import latest
+
+log = logging.getLogger(__name__)
+
+# Every Ray process gets these. vLLM's own settings (KV cache size, multiprocessing) are set
+# by VllmEngine in its process before vLLM is imported.
+ENV_VARS = {**REAL_RUNTIME_ENV, "RAY_AUTH_MODE": "disabled"}
+# A local instance keeps idle workers instead of killing them after a second: a remote
+# function (an evaluator) then reuses a warm process rather than importing torch again, which
+# costs seconds of a core that the run being measured needs.
+LOCAL_SYSTEM_CONFIG = {"num_workers_soft_limit": 32}
+
+
+def _ray():
+    import ray  # imported on use: a sim run never pays for importing Ray
+
+    return ray
+
+
+def _died() -> tuple[type, ...]:
+    """What a call raises when its actor is dead or being restarted."""
+    ex = _ray().exceptions
+    return ex.RayActorError, ex.ActorUnavailableError
+
+
+def start_cluster(sc: Scenario) -> bool:
+    """Connect to ``ray.address``, or start a local instance; True if this call started it.
+    An instance already connected in this process (a test session's) is reused."""
+    ray = _ray()
+    for k, v in ENV_VARS.items():
+        os.environ.setdefault(k, v)
+    if ray.is_initialized():
+        return False
+    env = {"env_vars": dict(ENV_VARS)}
+    if sc.ray.address:
+        ray.init(address=sc.ray.address, runtime_env=env, log_to_driver=False)
+    else:
+        ray.init(
+            num_cpus=sc.ray.num_cpus or os.cpu_count(), include_dashboard=False, runtime_env=env,
+            log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG,
+        )
+    return True
+
+
+@contextlib.contextmanager
+def cluster(sc: Scenario):
+    """Ray connected for the block: started (and stopped after) unless already connected."""
+    started = start_cluster(sc)
+    try:
+        yield
+    finally:
+        if started:
+            if sc.reward.serve:
+                from ray import serve
+
+                serve.shutdown()
+            _ray().shutdown()
+
+
+# -- actors ----------------------------------------------------------------------------------
+class EngineHost:
+    """A rollout engine in its own actor (torch or vLLM)."""
+
+    def __init__(self, sc: Scenario, name: str, threads: int, seed: int) -> None:
+        self.timeline = Timeline()
+        self.engine = make_engine(sc, name, threads, self.timeline, seed)
+        self._slow: Optional[tuple[float, float, float]] = None  # (factor, from, until)
+        self._hang: Optional[str] = None
+
+    async def start(self) -> None:
+        await self.engine.start()
+
+    async def generate(self, group: Group, max_response_len: int) -> tuple[bool, Group]:
+        await self._enter("generate")
+        t0 = asyncio.get_running_loop().time()
+        completed = await self.engine.generate(group, max_response_len)
+        if completed and self._slow is not None:
+            # A slowed worker: what overlapped the interval took ``factor`` times as long.
+            factor, lo, hi = self._slow
+            overlap = min(asyncio.get_running_loop().time(), hi) - max(t0, lo)
+            if overlap > 0:
+                await asyncio.sleep((factor - 1.0) * overlap)
+        return completed, group
+
+    async def abort_all(self) -> int:
+        await self._enter("abort_all")
+        return await self.engine.abort_all()
+
+    async def update_weights(self, version: int, weights: Any) -> None:
+        await self._enter("update_weights")
+        await self.engine.update_weights(version, weights)
+
+    # faults (core/runtimes/supervision.py): injected by the rollout actor
+    def slow(self, factor: float, duration_s: float) -> None:
+        now = asyncio.get_running_loop().time()
+        self._slow = (factor, now, now + duration_s)
+
+    def hang(self, call: str) -> None:
+        self._hang = call
+
+    async def _enter(self, call: str) -> None:
+        if self._hang == call:
+            self._hang = None
+            await asyncio.get_running_loop().create_future()  # never answers: the caller's timeout ends it
+
+    async def clear_cache(self) -> None:
+        await self.engine.clear_cache()
+
+    async def close(self) -> dict:
+        e = self.engine
+        await e.close(asyncio.get_running_loop().time())
+        return {
+            "busy_s": e.busy_s,
+            "seq_s": e.seq_s,
+            "tokens_generated": e.tokens_generated,
+            "prefill_tokens": e.prefill_tokens,
+            "spans": dict(self.timeline.spans),
+        }
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class EngineProxy:
+    """The engine protocol, forwarded to an ``EngineHost`` actor."""
+
+    def __init__(self, name: str, handle: Any, offset: float, pid: int = 0) -> None:
+        self.name = name
+        self.handle = handle
+        self.offset = offset  # actor clock minus this process's clock
+        self.pid = pid  # of the actor's current process: a restart changes it
+        self.dead = False  # a call saw the actor die (Ray restarts it)
+        self.busy_s = self.seq_s = 0.0
+        self.tokens_generated = self.prefill_tokens = 0
+        self.spans: dict = {}
+
+    async def _remote(self, call: str, *args: Any) -> Any:
+        """A call to the actor; its death (or a restart in progress) is ``WorkerLost``."""
+        try:
+            return await getattr(self.handle, call).remote(*args)
+        except _died() as exc:
+            self.dead = True
+            raise WorkerLost(self.name, call, f"the actor died ({type(exc).__name__})") from None
+
+    async def generate(self, group: Group, max_response_len: int) -> bool:
+        completed, done = await self._remote("generate", group, max_response_len)
+        done.shift_times(-self.offset)
+        group.take_generation(done)
+        return completed
+
+    async def abort_all(self) -> int:
+        return await self._remote("abort_all")
+
+    async def update_weights(self, version: int, weights: Any) -> None:
+        # ``weights`` is [ObjectRef]: passed bare, Ray resolves it in the engine's process,
+        # from the object store, without a copy through this one.
+        await self._remote("update_weights", version, weights[0] if weights else None)
+
+    async def clear_cache(self) -> None:
+        await self._remote("clear_cache")
+
+    def kill(self) -> None:
+        """End the actor's process; Ray starts a new one (``max_restarts``)."""
+        self.dead = True
+        _ray().kill(self.handle, no_restart=False)
+
+    async def recover(self) -> None:
+        """Kill a hung actor, wait for Ray to bring a new process up, start its engine."""
+        if not self.dead:
+            self.kill()
+        while True:
+            try:
+                pid = await self.handle.pid.remote()
+            except _died():
+                pid = None
+            if pid is not None and pid != self.pid:
+                break
+            await asyncio.sleep(0.2)
+        self.pid, self.dead = pid, False
+        await self._remote("start")
+
+    async def close(self, now: float) -> None:
+        stats = await self.handle.close.remote()
+        self.spans = {w: [[k, a - self.offset, b - self.offset] for k, a, b in rows] for w, rows in stats.pop("spans").items()}
+        for k, v in stats.items():
+            setattr(self, k, v)
+
+
+class RolloutHost:
+    """The Rollouter, its queue and the producer half of the ledger, in one actor: the queue
+    lives with its producer, so a finished group costs no hop before it is queued."""
+
+    def __init__(self, sc: Scenario, mode: str, run_dir: str) -> None:
+        self.sc, self.mode, self.run_dir = sc, mode, run_dir
+        self._get: Optional[asyncio.Task] = None
+
+    def connect(self, engines: list[tuple[str, Any, float, int]], reward_handle: Any) -> None:
+        """Wire the producer side to the engine actors (name, handle, clock offset to ours, pid)."""
+        sc, mode = self.sc, self.mode
+        task = make_task(sc)
+        proxies = [EngineProxy(name, h, off, pid) for name, h, off, pid in engines]
+        reward = ServeReward(reward_handle, sc.timeouts.control_s) if reward_handle is not None else TaskReward(task)
+        workers = Workers(proxies, backend=None, transfer=None, prompts=TaskPrompts(task), reward=reward)
+        self.ledger = Ledger(trained_bound(sc, mode), reuse=sc.replay.enabled)
+        self.queue = make_queue(sc, mode, self.run_dir)
+        self.faults = FaultLog()
+        self.rollouter = connect_rollout(sc, mode, workers, self.ledger, self.queue, self.faults)
+        self.engines = proxies
+
+    async def run(self) -> None:
+        await self.rollouter.run()
+
+    async def get_batch(self, n: int) -> list[Group]:
+        # Kept as a task: a trainer that dies while waiting leaves it behind, and its
+        # replacement cancels it (redeliver) before it can take groups for nobody.
+        self._get = asyncio.ensure_future(self.queue.get_batch(n))
+        return await self._get
+
+    async def ack(self) -> None:
+        self.queue.ack()
+
+    async def redeliver(self) -> int:
+        """A restarted trainer: drop the dead one's wait, hand back what it was given since its checkpoint."""
+        if self._get is not None and not self._get.done():
+            self._get.cancel()
+            await asyncio.gather(self._get, return_exceptions=True)
+        return self.queue.redeliver()
+
+    async def inject(self, i: int) -> None:
+        """Fault ``i`` of the scenario, on a rollout worker (the driver fires it)."""
+        targets = _WorkerTargets(self)
+        strike(self.sc.faults[i], targets, self.faults, asyncio.get_running_loop().time())
+        await asyncio.gather(*targets.calls)
+
+    async def pause(self, mode: str) -> None:
+        await self.rollouter.pause(mode)
+
+    async def update_weights(self, version: int, weights: Any) -> None:
+        await self.rollouter.update_weights(version, weights)
+
+    async def resume(self) -> None:
+        await self.rollouter.resume()
+
+    async def stop(self) -> dict:
+        """End of run: stop, account for what was never queued or trained, close engines."""
+        if self._get is not None and not self._get.done():
+            self._get.cancel()
+        self.queue.ack()  # the run is over: what was trained stays trained
+        await end_rollout(self.rollouter, self.queue, self.ledger)
+        now = asyncio.get_running_loop().time()
+        await asyncio.gather(*(e.close(now) for e in self.engines))
+        timeline = Timeline()
+        for e in self.engines:
+            for w, rows in e.spans.items():
+                timeline.spans[w].extend(rows)
+        return {
+            "ledger": self.ledger,
+            "timeline": timeline,
+            "engines": [EngineCounters.of(e, sup.restarts) for e, sup in zip(self.engines, self.rollouter.engines)],
+            "queue_counters": self.queue.counters(),
+            "in_flight": self.rollouter.in_flight() + len(self.queue) * self.sc.workload.group_size,
+            "faults": self.faults.state(),
+        }
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class _WorkerTargets:
+    """What a fault does to a rollout worker from the rollout actor, which holds the proxies.
+    The queue lives in this actor and is not killed alone (config refuses it on ray); the
+    trainer is the driver's to kill."""
+
+    def __init__(self, host: RolloutHost) -> None:
+        self.host = host
+        self.calls: list = []  # remote calls the fault made, awaited before inject returns
+
+    def kill_worker(self, worker: int) -> None:
+        proxy = self.host.engines[worker]
+        proxy.kill()
+        # Ray reports the process gone at once; an idle worker is restarted right away too.
+        self.host.rollouter.worker_lost(worker, WorkerLost(proxy.name, "process", "killed"))
+
+    def slow_worker(self, worker: int, factor: float, duration_s: float) -> None:
+        loop, faults = asyncio.get_running_loop(), self.host.faults
+        self.calls.append(self.host.engines[worker].handle.slow.remote(factor, duration_s))
+        loop.call_later(duration_s, lambda: faults.recovered(worker_key(worker), loop.time(), ("slow",)))
+
+    def hang_worker(self, worker: int, call: str) -> None:
+        self.calls.append(self.host.engines[worker].handle.hang.remote(call))
+
+    def kill_queue(self) -> None:
+        raise ValueError("the queue is not killed alone on the ray runtime (it lives in the rollout actor)")
+
+    def kill_trainer(self) -> None:
+        raise ValueError("the driver kills the trainer actor, not the rollout actor")
+
+
+async def _timed(ref: Any, seconds: float, component: str, call: str) -> Any:
+    """Await a remote call; no answer in time is a ``CallTimeout`` naming the component and call."""
+    try:
+        async with asyncio.timeout(seconds):
+            return await ref
+    except TimeoutError:
+        raise CallTimeout(component, call, seconds, "timeouts.control_s") from None
+
+
+class QueueProxy:
+    """The trainer's batch source: the queue in the rollout actor. ``get_batch`` waits as long
+    as producing a batch takes, so it has no timeout of its own: the engines' timeouts bound
+    how long the producer can stall."""
+
+    def __init__(self, handle: Any, offset: float) -> None:
+        self.handle = handle
+        self.offset = offset  # rollout actor clock minus the trainer's
+
+    async def get_batch(self, n: int) -> Batch:
+        groups = await self.handle.get_batch.remote(n)
+        for g in groups:
+            g.shift_times(-self.offset)
+        return Batch(groups)
+
+
+class RolloutProxy:
+    """What ParamSync drives: pause, update_weights, resume of the Rollouter in its actor.
+    A pause drains the longest generation in flight, so it gets the generate timeout too."""
+
+    def __init__(self, handle: Any, control_s: float, generate_s: Optional[float] = None) -> None:
+        self.handle = handle
+        self.control_s = control_s
+        self.generate_s = generate_s or control_s
+
+    async def pause(self, mode: PauseMode) -> None:
+        await _timed(self.handle.pause.remote(mode), self.generate_s + self.control_s, "rollouter", "pause")
+
+    async def update_weights(self, version: int, weights: Any) -> None:
+        await _timed(self.handle.update_weights.remote(version, weights), self.control_s, "rollouter", "update_weights")
+
+    async def resume(self) -> None:
+        await _timed(self.handle.resume.remote(), self.control_s, "rollouter", "resume")
+
+
+class ObjectStoreTransfer:
+    """``ray.put`` the trainer's weights once per version; every engine gets that one ObjectRef."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.latest: tuple[int, list] = (0, [])
+        self.bytes = 0
+
+    async def send(self, version: int) -> list:
+        weights = await asyncio.to_thread(self.backend.weights)
+        self.bytes = sum(w.nbytes for w in weights.values())
+        ref = _ray().put(weights)
+        self.latest = (version, [ref])
+        return [ref]
+
+
+class TrainerHost:
+    """The Trainer, its ParamSync and the torch GRPO backend, with the trained half of the ledger."""
+
+    def __init__(self, sc: Scenario, mode: str, rollout: Any, threads: int, run_dir: str) -> None:
+        self.sc, self.mode, self.run_dir = sc, mode, run_dir
+        self.rollout = rollout
+        self.resynced_at: Optional[float] = None
+        self.backend = make_backend(sc, threads)
+        self.transfer = ObjectStoreTransfer(self.backend)
+        self.timeline = Timeline()
+        self.ledger = Ledger(trained_bound(sc, mode), reuse=sc.replay.enabled)
+        self.trainer = None
+        self.end_s = 0.0
+
+    async def connect(self, rollout_offset: float) -> None:
+        """Wire the trainer side; ``rollout_offset`` is the rollout actor's clock minus ours."""
+        sc, mode = self.sc, self.mode
+        workers = Workers([], self.backend, self.transfer, spread=Workload(sc.workload, sc.seed).reward_spread)
+        self.trainer, self.param_sync, self.replay = connect_trainer(
+            sc, mode, workers, self.ledger, QueueProxy(self.rollout, rollout_offset),
+            RolloutProxy(self.rollout, sc.timeouts.control_s, sc.timeouts.generate_s), self.timeline,
+        )
+        if not sc.checkpoint.every:
+            return
+
+        async def checkpoint(version: int, t0: float, t1: float) -> None:
+            t = self.trainer
+            if await asyncio.to_thread(save_trainer_side, sc, mode, self.run_dir, t, self.ledger, self.backend, version):
+                await _timed(self.rollout.ack.remote(), sc.timeouts.control_s, "rollouter", "ack")
+
+        self.param_sync.checkpoint = checkpoint
+        if latest(checkpoint_dir(self.run_dir, mode)) is None:  # what a trainer dying before its first sync goes back to
+            save_trainer_side(sc, mode, self.run_dir, self.trainer, self.ledger, self.backend, 0, at_start=True)
+
+    async def restore(self) -> None:
+        """A restarted trainer: back to the latest checkpoint; the queue hands back what the
+        dead one was given since."""
+        await asyncio.to_thread(restore_trainer_side, self.trainer, self.ledger, self.backend, self.run_dir, self.mode)
+        await _timed(self.rollout.redeliver.remote(), self.sc.timeouts.control_s, "rollouter", "redeliver")
+
+    async def run(self, resync: bool = False) -> None:
+        """Train to the end; ``resync``: first move the engines to this trainer's weights."""
+        loop = asyncio.get_running_loop()
+
+        async def first() -> None:
+            await self.param_sync.sync(self.trainer.version, checkpoint=False)
+            self.resynced_at = loop.time()
+
+        await self.trainer.run(first if resync else None)
+        self.end_s = loop.time()
+
+    def progress(self) -> tuple[int, float, int, int, Optional[float]]:
+        t = self.trainer
+        return t.step, time.monotonic(), self.ledger.trainings, t.version, self.resynced_at
+
+    def latest_weights(self) -> tuple[int, list]:
+        return self.transfer.latest
+
+    def finish(self) -> dict:
+        """End of run: what the trainer holds untrained is dropped; the trainer half of the run."""
+        t, be, ps = self.trainer, self.backend, self.param_sync
+        release_unused(t, self.replay, self.ledger)
+        held = self.replay.untrained() if self.replay else t.holding.groups
+        return {
+            "ledger": self.ledger,
+            "timeline": self.timeline,
+            "end_s": self.end_s,
+            "trainer": TrainerCounters(t.step, t.version, t.wait_s, t.step_info, be.compute_s, be.flops, be.peak_flops),
+            "sync": SyncCounters(ps.pause_s, ps.drain_s, ps.transfer_s),
+            "replay_counters": self.replay.counters() if self.replay else None,
+            "in_flight": sum(g.size for g in held),
+        }
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+# -- the driver --------------------------------------------------------------------------------
+def _offset(handle: Any, probes: int = 5) -> float:
+    """The actor's clock minus ours: the midpoint of the shortest of a few round trips (the
+    first call may wait for the actor to start, so it is only a warm-up)."""
+    ray = _ray()
+    ray.get(handle.now.remote())
+    best = None
+    for _ in range(probes):
+        t0 = time.monotonic()
+        remote_now = ray.get(handle.now.remote())
+        t1 = time.monotonic()
+        if best is None or t1 - t0 < best[0]:
+            best = (t1 - t0, remote_now - (t0 + t1) / 2)
+    return best[1]
+
+
+def _restart_trainer(trainer: Any, old_pid: int, off_rollout: float, sc: Scenario) -> tuple[int, float]:
+    """Wait for Ray's new trainer process, wire it, and restore it from its checkpoint."""
+    ray = _ray()
+    deadline = time.monotonic() + sc.timeouts.restart_s
+    while True:
+        try:
+            pid = ray.get(trainer.pid.remote(), timeout=sc.timeouts.control_s)
+            if pid != old_pid:
+                break
+        except (*_died(), ray.exceptions.GetTimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"trainer: not back within {sc.timeouts.restart_s:g} s of its death; "
+                "fix: raise timeouts.restart_s or recovery.max_restarts"
+            )
+        time.sleep(0.2)
+    off = _offset(trainer)
+    ray.get(trainer.connect.remote(off_rollout - off), timeout=sc.timeouts.restart_s)
+    ray.get(trainer.restore.remote(), timeout=sc.timeouts.restart_s)
+    return pid, off
+
+
+def _bundles(sc: Scenario, place: Placement) -> list[dict]:
+    r, t = sc.ray.rollout, sc.ray.trainer
+    rollout = [{"CPU": r.num_cpus, "GPU": r.num_gpus} for _ in range(place.engines)]
+    if place.colocated:
+        return rollout
+    return rollout + [{"CPU": t.num_cpus, "GPU": t.num_gpus}]
+
+
+def _clean(bundle: dict) -> dict:
+    return {k: v for k, v in bundle.items() if v > 0} or {"CPU": 0.001}
+
+
+def run_ray(
+    sc: Scenario,
+    mode: str,
+    on_step: Optional[ProgressFn] = None,
+    on_processes: Optional[ProcessesFn] = None,
+    run_dir=None,
+) -> RunResult:
+    """Run one mode with every component in its own Ray actor; the driver only watches, and
+    injects the scenario's faults. ``run_dir`` keeps the trainer's checkpoints (it must be on
+    storage every node sees); a temporary directory when None."""
+    with tempfile.TemporaryDirectory(prefix="asyncrl-ray-") as tmp:
+        where = os.path.abspath(run_dir if run_dir is not None else tmp)
+        return _run_ray(sc, mode, on_step, on_processes, where)
+
+
+@dataclass
+class _Actors:
+    """The run's actors as the driver sees them, with each one's clock offset to the driver's."""
+
+    rollout: Any
+    trainer: Any
+    off_rollout: float
+    off_trainer: float
+    trainer_pid: int
+    off_engines: dict
+    restarting: bool = False
+
+
+def _run_ray(sc: Scenario, mode: str, on_step, on_processes, run_dir: str) -> RunResult:
+    ray = _ray()
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    ensure(sc.tiny_model.path, sc.tiny_model)
+    sc = sc.model_copy(update={"tiny_model": sc.tiny_model.model_copy(update={"path": os.path.abspath(sc.tiny_model.path)})})
+    with cluster(sc):  # started here unless already connected (the harness starts one per run)
+        place = Placement.of(sc, mode)
+        actors: list = []
+        pg = None
+        serve_started = False
+        try:
+            bundles = _bundles(sc, place)
+            pg = placement_group([_clean(b) for b in bundles], strategy=sc.ray.placement_strategy)
+            ray.get(pg.ready(), timeout=sc.timeouts.control_s)
+            share = 0.5 if place.colocated else 1.0  # colocated: engine and trainer split a bundle
+
+            def pinned(i: int, role) -> dict:
+                return {
+                    "num_cpus": role.num_cpus * share,
+                    "num_gpus": role.num_gpus * share,
+                    "max_concurrency": role.max_concurrency,
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+                }
+
+            control_s = sc.timeouts.control_s
+            restarts = {"max_restarts": sc.recovery.max_restarts}  # Ray brings a killed worker back
+            engine_cls = ray.remote(EngineHost)
+            engines = []
+            for i in range(place.engines):
+                name = f"engine{i:03d}"
+                h = engine_cls.options(**pinned(i, sc.ray.rollout), **restarts).remote(sc, name, place.gpus_per_engine, sc.seed * 1000 + i)
+                engines.append((name, h))
+                actors.append(h)
+            ray.get([h.start.remote() for _, h in engines], timeout=sc.timeouts.restart_s)
+            off_engines = [_offset(h) for _, h in engines]
+            engine_pids = ray.get([h.pid.remote() for _, h in engines], timeout=control_s)
+            reward_handle = None
+            if sc.reward.serve:
+                reward_handle = deploy_reward(sc)
+                serve_started = True
+            c = sc.ray.controller
+            # The rollout actor holds the queue and the producer's ledger: it is not restarted.
+            rollout = ray.remote(RolloutHost).options(num_cpus=c.num_cpus, num_gpus=c.num_gpus, max_concurrency=c.max_concurrency).remote(sc, mode, run_dir)
+            actors.append(rollout)
+            off_rollout = _offset(rollout)
+            ray.get(rollout.connect.remote(
+                [(name, h, off - off_rollout, pid) for (name, h), off, pid in zip(engines, off_engines, engine_pids)], reward_handle,
+            ), timeout=control_s)
+            trainer_bundle = 0 if place.colocated else place.engines
+            trainer = ray.remote(TrainerHost).options(**pinned(trainer_bundle, sc.ray.trainer), **restarts).remote(
+                sc, mode, rollout, place.trainer_gpus, run_dir
+            )
+            actors.append(trainer)
+            # Every actor here shares the host's monotonic clock unless the cluster spans nodes,
+            # and then the offsets matter.
+            off_trainer = _offset(trainer)
+            ray.get(trainer.connect.remote(off_rollout - off_trainer), timeout=sc.timeouts.restart_s)
+            trainer_pid = ray.get(trainer.pid.remote(), timeout=control_s)
+            if on_processes is not None:
+                pids = ray.get([rollout.pid.remote()], timeout=control_s)
+                names = [n for n, _ in engines] + ["rollouter", "trainer"]
+                on_processes(list(zip(names, engine_pids + pids + [trainer_pid])))
+            run = _Actors(rollout, trainer, off_rollout, off_trainer, trainer_pid, {n: off for (n, _), off in zip(engines, off_engines)})
+            return asyncio.run(_watch(sc, mode, place, run, on_step))
+        finally:
+            for a in actors:
+                ray.kill(a)
+            if pg is not None:
+                remove_placement_group(pg)
+            if serve_started:
+                from ray import serve
+
+                serve.delete("asyncrl-reward")
+
+
+async def _watch(sc: Scenario, mode: str, place: Placement, run: _Actors, on_step: Optional[ProgressFn]) -> RunResult:
+    """The driver's loop: it blocks on nothing, and every poll_s reports progress, launches
+    evaluations and fires the faults due. The trainer is supervised as in one process."""
+    ray, died = _ray(), _died()
+    control_s = sc.timeouts.control_s
+    rollout = run.rollout
+    evals = Evaluations(sc)
+    evals.warm_up()
+    plan = FaultPlan(sc.faults, set())
+    faults = FaultLog()  # the trainer's; the rollout actor keeps its workers'
+    t0 = time.monotonic()
+
+    def fire(i: int, f) -> None:
+        if f.target == "trainer":
+            strike(f, _TrainerTargets(run.trainer), faults, time.monotonic() - t0)
+        else:
+            ray.get(rollout.inject.remote(i), timeout=control_s)
+
+    async def train(resync: bool) -> None:
+        await run.trainer.run.remote(resync)
+
+    async def restart() -> None:
+        run.restarting = True  # a trainer being wired answers no progress, and no fault strikes it
+        try:
+            run.trainer_pid, run.off_trainer = await asyncio.to_thread(_restart_trainer, run.trainer, run.trainer_pid, run.off_rollout, sc)
+        finally:
+            run.restarting = False
+
+    injector = FaultInjector(plan, fire)
+    rolling = asyncio.ensure_future(_await(rollout.run.remote()))
+    training = asyncio.ensure_future(supervise_trainer(train, restart, sc.recovery.max_restarts, died))
+    last_step = step = 0
+    try:
+        while True:
+            done, _ = await asyncio.wait({rolling, training}, timeout=sc.ray.poll_s, return_when=asyncio.FIRST_COMPLETED)
+            if training in done:
+                training.result()
+                break
+            if rolling in done:
+                rolling.result()
+                raise RuntimeError("the rollouter stopped before the trainer finished")
+            if run.restarting:
+                continue
+            try:
+                step, now, trainings, version, resynced = await _timed(run.trainer.progress.remote(), control_s, "trainer", "progress")
+                if resynced is not None:
+                    faults.recovered("trainer", resynced - run.off_trainer - t0)
+                if on_step is not None and step != last_step:
+                    on_step(step, now - run.off_trainer - t0, trainings)
+                    last_step = step
+                evals.poll(run.trainer, version, time.monotonic() - t0)
+            except died:
+                pass  # the trainer is being restarted
+            injector.poll(step, time.monotonic() - t0)
+    except BaseException:
+        for task in (rolling, training):
+            task.cancel()
+        await asyncio.gather(rolling, training, return_exceptions=True)
+        raise
+    trained = ray.get(run.trainer.finish.remote(), timeout=control_s)
+    rolled = ray.get(rollout.stop.remote(), timeout=sc.timeouts.generate_s)
+    evals.finish(time.monotonic() - t0)
+    await _timed(rolling, control_s, "rollouter", "run")  # a rollouter that failed after the trainer finished fails the run
+    wall_s = time.monotonic() - t0
+    # Everything onto the driver's clock, zero at the start.
+    dt_r, dt_t = -run.off_rollout - t0, -run.off_trainer - t0
+    ledger: Ledger = rolled["ledger"]
+    ledger.shift_times(dt_r)
+    trained["ledger"].shift_times(dt_t)
+    ledger.merge(trained["ledger"])
+    timeline = Timeline()
+    for part, dt in ((rolled["timeline"], dt_r), (trained["timeline"], dt_t)):
+        for w, rows in part.spans.items():
+            timeline.spans[w].extend([[k, a + dt, b + dt] for k, a, b in rows])
+    tc = trained["trainer"]
+    for info in tc.step_info:
+        info["end_s"] += dt_t
+    for rec in FaultLog.from_state(rolled["faults"]).records:
+        rec.at_s += dt_r
+        rec.recovered_s = None if rec.recovered_s is None else rec.recovered_s + dt_r
+        faults.records.append(rec)
+    faults.records.sort(key=lambda r: r.at_s)
+    return RunResult(
+        scenario=sc,
+        mode=mode,
+        placement=place,
+        ledger=ledger,
+        timeline=timeline,
+        engines=rolled["engines"],
+        trainer=tc,
+        sync=trained["sync"],
+        queue_counters=rolled["queue_counters"],
+        replay_counters=trained["replay_counters"],
+        in_flight=rolled["in_flight"] + trained["in_flight"],
+        faults=faults,
+        end_s=trained["end_s"] + dt_t,
+        wall_s=wall_s,
+        evaluations=evals.results,
+        clock_offsets_s={"rollouter": run.off_rollout, "trainer": run.off_trainer, **run.off_engines},
+    )
+
+
+async def _await(ref: Any) -> Any:
+    return await ref
+
+
+class _TrainerTargets:
+    """The driver's side of a fault: it kills the trainer actor (Ray restarts it)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def kill_trainer(self) -> None:
+        _ray().kill(self.trainer, no_restart=False)
+
+    def kill_queue(self) -> None:
+        raise ValueError("the queue is not killed alone on the ray runtime (it lives in the rollout actor)")
+
+    def kill_worker(self, worker: int) -> None:
+        raise ValueError("a rollout worker's fault is fired in the rollout actor")
+
+    def slow_worker(self, worker: int, factor: float, duration_s: float) -> None:
+        raise ValueError("a rollout worker's fault is fired in the rollout actor")
+
+    def hang_worker(self, worker: int, call: str) -> None:
+        raise ValueError("a rollout worker's fault is fired in the rollout actor")

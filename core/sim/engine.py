@@ -1,0 +1,336 @@
+"""The simulated rollout engine: continuous batching, simulated as events, not tokens.
+
+Between two events (a request joins, finishes or is aborted) the running batch B is
+fixed and every running request gains one token per decode step. A step costs
+``tau(C) = base(B) + k * C`` where C, the context held by the batch, grows by B per
+step, so after x steps the elapsed time is ``tau0 * x + (k * B / 2) * x**2``. The next
+completion time is solved in closed form, and progress is tracked as a real number of
+steps (a fluid approximation of discrete steps; tokens are counted with floor()).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import math
+from collections import deque
+from typing import Optional
+
+from core.sim.costs import DecodeCost
+from core.model.faults import WorkerLost
+from core.model.sample import Group, Sample
+from core.model.timeline import GENERATE, Timeline
+from core.sim.workload import Workload
+
+_EPS = 1e-9
+
+
+class _Waiter:
+    """One generate call. Its tokens reach the samples only when the call returns: a worker
+    that dies mid-call takes the group's whole generation with it, as a real process does."""
+
+    __slots__ = ("future", "pending", "aborted", "emits")
+
+    def __init__(self, future: asyncio.Future, pending: int) -> None:
+        self.future = future
+        self.pending = pending
+        self.aborted = False
+        self.emits: list[tuple[Sample, int, int, bool, float]] = []  # (sample, tokens, version, finished, at)
+
+
+class _Request:
+    __slots__ = ("sample", "waiter", "steps", "join", "ctx")
+
+    def __init__(self, sample: Sample, waiter: _Waiter, steps: int, ctx: int) -> None:
+        self.sample = sample
+        self.waiter = waiter
+        self.steps = steps  # tokens this request will generate before it stops
+        self.join = 0.0  # engine step count when it joined the batch
+        self.ctx = ctx  # context tokens when it joined
+
+
+class SimEngine:
+    """One rollout engine (a tensor-parallel replica) on the virtual clock.
+
+    Implements the engine protocol: ``generate``, ``abort_all``, ``update_weights``,
+    ``clear_cache``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        cost: DecodeCost,
+        workload: Workload,
+        max_num_seqs: int,
+        timeline: Optional[Timeline] = None,
+    ) -> None:
+        self.name = name
+        self.cost = cost
+        self.workload = workload
+        self.max_num_seqs = max_num_seqs
+        self.timeline = timeline
+        self.version = 0
+        self.tokens_generated = 0
+        self.prefill_tokens = 0
+        self.busy_s = 0.0
+        self.seq_s = 0.0  # integral of the running batch size over time
+        self._heap: list[tuple[float, int, _Request]] = []
+        self._waiting: deque[_Request] = deque()
+        self._seq = 0
+        self._S = 0.0  # decode steps since start (real-valued)
+        self._t = 0.0  # time at which _S holds; may lie ahead of now during a prefill stall
+        self._C = 0.0  # context tokens held by the running batch at _S
+        self._busy_since: Optional[float] = None
+        self._timer: Optional[asyncio.TimerHandle] = None
+        self._timer_key = 0.0
+        # faults (core/runtimes/supervision.py): a slowdown factor, a call that will hang, death until a time
+        self.slowdown = 1.0
+        self.hang_next: Optional[str] = None
+        self.down_until: Optional[float] = None
+        self.restart_s = 0.0  # how long a crashed worker takes to come back
+        self._hung: list[asyncio.Future] = []
+
+    # -- protocol ---------------------------------------------------------------------------
+    async def generate(self, group: Group, max_response_len: int) -> bool:
+        """Generate every unfinished response of ``group``; False if aborted first.
+
+        Tokens are appended to the samples in place, tagged with this engine's version.
+        """
+        await self._enter("generate")
+        todo = group.unfinished()
+        if not todo:
+            return True
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(loop.create_future(), len(todo))
+        lengths = self.workload.response_lengths(group.prompt_id)
+        reqs = []
+        for s in todo:
+            want = min(int(lengths[s.index]), max_response_len) - s.n_response
+            if want <= 0:  # cut at the budget earlier, or resumed at the cap
+                waiter.emits.append((s, 0, self.version, True, s.finished_at))
+                waiter.pending -= 1
+                continue
+            reqs.append(_Request(s, waiter, want, s.n_prompt + s.n_response))
+        if not reqs:
+            _apply(waiter.emits)
+            return True
+        self._advance(loop.time())
+        self._waiting.extend(reqs)
+        self._admit(loop.time())
+        self._reschedule(loop)
+        return await waiter.future
+
+    async def abort_all(self) -> int:
+        """Interrupt every request; partial tokens stay on their samples. Returns how many."""
+        await self._enter("abort_all")
+        return self._stop_all(aborted=True)
+
+    def _stop_all(self, aborted: bool) -> int:
+        """End every request: aborted (tokens kept) or lost with a dead worker (tokens gone)."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        self._advance(now)
+        n = len(self._heap) + len(self._waiting)
+        for _, _, req in self._heap:
+            done = min(req.steps, int(math.floor(self._S - req.join + _EPS)))
+            self._emit(req, done)
+            self._release(req.waiter, aborted=aborted, lost=not aborted)
+        for req in self._waiting:
+            self._release(req.waiter, aborted=aborted, lost=not aborted)
+        self._heap.clear()
+        self._waiting.clear()
+        self._C = 0.0
+        self._t = max(self._t, now)
+        self._idle(now)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        return n
+
+    async def update_weights(self, version: int, weights=None) -> None:
+        await self._enter("update_weights")
+        if self._heap or self._waiting:
+            raise RuntimeError(f"{self.name}: update_weights with requests in flight; pause the rollout first")
+        self.version = version
+
+    async def clear_cache(self) -> None:
+        """KV blocks of finished and aborted requests are already free in this model."""
+        await self._enter("clear_cache")
+
+    # -- faults -----------------------------------------------------------------------------
+    async def _enter(self, call: str) -> None:
+        """A dead worker answers nothing; a hung call never returns."""
+        if self.down_until is not None:
+            raise WorkerLost(self.name, call, "the worker is dead")
+        if self.hang_next == call:
+            self.hang_next = None
+            fut = asyncio.get_running_loop().create_future()
+            self._hung.append(fut)
+            try:
+                await fut  # until a crash fails it, or the caller's timeout cancels it
+            except asyncio.CancelledError:
+                # The caller gave up (its timeout, or its own death): the worker is still
+                # stuck, and its next such call hangs too, until a restart (crash) clears it.
+                if self.down_until is None:
+                    self.hang_next = call
+                raise
+
+    def crash(self, restart_s: float) -> int:
+        """The worker's process dies: every request fails and its tokens are lost; it is back
+        ``restart_s`` later. Returns the requests lost."""
+        now = asyncio.get_running_loop().time()
+        n = self._stop_all(aborted=False)
+        for fut in self._hung:
+            if not fut.done():
+                fut.set_exception(WorkerLost(self.name, "call", "the worker died"))
+        self._hung.clear()
+        self.hang_next = None
+        self.down_until = now + restart_s
+        return n
+
+    async def recover(self) -> None:
+        """Kill a hung worker, then wait out its restart (its weights are the caller's to load)."""
+        if self.down_until is None:
+            self.crash(self.restart_s)
+        await asyncio.sleep(max(0.0, self.down_until - asyncio.get_running_loop().time()))
+        self.down_until = None
+        self.version = -1  # nothing loaded yet
+
+    def set_slowdown(self, factor: float) -> None:
+        """Every step and prefill from now on takes ``factor`` times as long."""
+        loop = asyncio.get_running_loop()
+        self._advance(loop.time())
+        self.slowdown = factor
+        self._reschedule(loop)
+
+    # -- event model ------------------------------------------------------------------------
+    def _steps_in(self, dt: float) -> float:
+        """Decode steps completed in ``dt`` seconds from the anchor."""
+        b = len(self._heap)
+        tau0 = self.cost.step_s(b, self._C) * self.slowdown
+        a = 0.5 * self.cost.kv_s_per_token * b * self.slowdown
+        return 2.0 * dt / (tau0 + math.sqrt(tau0 * tau0 + 4.0 * a * dt))
+
+    def _time_for(self, x: float) -> float:
+        b = len(self._heap)
+        return (self.cost.step_s(b, self._C) * x + 0.5 * self.cost.kv_s_per_token * b * x * x) * self.slowdown
+
+    def _advance(self, now: float, to_steps: Optional[float] = None) -> None:
+        """Move the anchor to ``now`` (or exactly to step ``to_steps``, reached at ``now``)."""
+        dt = now - self._t
+        if dt <= 0:
+            return
+        b = len(self._heap)
+        if b:
+            x = (to_steps - self._S) if to_steps is not None else self._steps_in(dt)
+            self._S += x
+            self._C += b * x
+            self.seq_s += b * dt
+        self._t = now
+
+    def _admit(self, now: float) -> None:
+        """Move waiting requests into the batch; their prefill stalls the engine."""
+        if not self._waiting or len(self._heap) >= self.max_num_seqs:
+            return
+        stall = 0.0
+        prompt_done: set[int] = set()
+        cost = self.cost
+        while self._waiting and len(self._heap) < self.max_num_seqs:
+            req = self._waiting.popleft()
+            s = req.sample
+            # The group's prompt is prefilled once (prefix caching); resumed tokens are recomputed.
+            start = s.n_prompt if s.prompt_id in prompt_done else 0
+            prompt_done.add(s.prompt_id)
+            stall += cost.prefill_s(start, req.ctx) * self.slowdown
+            self.prefill_tokens += req.ctx - start
+            req.join = self._S
+            if s.started_at != s.started_at:  # NaN: first time in a batch
+                s.started_at = now
+            self._C += req.ctx
+            self._seq += 1
+            heapq.heappush(self._heap, (self._S + req.steps, self._seq, req))
+        if self._busy_since is None:
+            self._busy_since = now
+        self._t = max(self._t, now) + stall
+
+    def _reschedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._heap:
+            return
+        key = self._heap[0][0]
+        self._timer_key = key
+        self._timer = loop.call_at(self._t + self._time_for(key - self._S), self._on_finish)
+
+    def _on_finish(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._timer = None
+        now = loop.time()
+        key = self._timer_key
+        if now > self._t:
+            self._advance(now, to_steps=key)
+        heap = self._heap
+        while heap and heap[0][0] <= self._S + _EPS:
+            _, _, req = heapq.heappop(heap)
+            self._C -= req.ctx + req.steps
+            self._emit(req, req.steps, finished_at=now)
+            self._release(req.waiter, aborted=False)
+        if not heap:
+            self._C = 0.0
+        self._admit(now)
+        if not heap:
+            self._idle(now)
+        self._reschedule(loop)
+
+    def _emit(self, req: _Request, n: int, finished_at: Optional[float] = None) -> None:
+        self.tokens_generated += max(n, 0)
+        done = finished_at is not None
+        req.waiter.emits.append((req.sample, n, self.version, done, finished_at if done else req.sample.finished_at))
+
+    def _release(self, waiter: _Waiter, aborted: bool, lost: bool = False) -> None:
+        waiter.aborted |= aborted
+        waiter.pending -= 1
+        if waiter.future.done():
+            return
+        if lost:
+            waiter.future.set_exception(WorkerLost(self.name, "generate", "the worker died mid-generation"))
+        elif waiter.pending == 0:
+            _apply(waiter.emits)
+            waiter.future.set_result(not waiter.aborted)
+
+    def _idle(self, now: float) -> None:
+        if self._busy_since is not None:
+            self.busy_s += now - self._busy_since
+            if self.timeline is not None:
+                self.timeline.add(self.name, GENERATE, self._busy_since, now)
+            self._busy_since = None
+
+    def state(self) -> dict:
+        """What a checkpoint keeps of an idle engine (taken while rollout is paused)."""
+        if self._heap or self._waiting or self._busy_since is not None:
+            raise RuntimeError(f"{self.name}: state of a busy engine; pause the rollout first")
+        return {
+            "version": self.version, "tokens_generated": self.tokens_generated, "prefill_tokens": self.prefill_tokens,
+            "busy_s": self.busy_s, "seq_s": self.seq_s, "S": self._S, "t": self._t, "C": self._C, "seq": self._seq,
+            "slowdown": self.slowdown, "hang_next": self.hang_next, "down_until": self.down_until,
+        }
+
+    def restore(self, st: dict) -> None:
+        self.version, self.tokens_generated, self.prefill_tokens = st["version"], st["tokens_generated"], st["prefill_tokens"]
+        self.busy_s, self.seq_s, self._S, self._t, self._C, self._seq = st["busy_s"], st["seq_s"], st["S"], st["t"], st["C"], st["seq"]
+        self.slowdown, self.hang_next, self.down_until = st["slowdown"], st["hang_next"], st["down_until"]
+
+    async def close(self, now: float) -> None:
+        """Close the open busy span at the end of a run."""
+        self._advance(now)
+        self._idle(now)
+
+
+def _apply(emits: list[tuple[Sample, int, int, bool, float]]) -> None:
+    """Hand a returning call's tokens to its samples, in the order they were generated."""
+    for sample, n, version, done, finished_at in emits:
+        sample.add_tokens(n, version)
+        if done:
+            sample.finished = True
+            sample.finished_at = finished_at

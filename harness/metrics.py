@@ -1,0 +1,183 @@
+"""Report metrics of one run, each name defined once here, units in the name.
+
+The sim runtime reports simulated seconds everywhere except ``sim/wall_s``. The real
+runtimes (local, ray) report wall seconds, ``run/…`` instead of ``sim/…``, what the torch
+trainer learned (``learn/…``) and its model FLOPs utilization; their pipeline bound is not
+computed (it is the sim's cost model, not a measurement of this machine), and ``util/gpu``
+says where it comes from: ``spans`` (engine and trainer busy time) or ``nvml`` (measured).
+"""
+
+from __future__ import annotations
+
+import resource
+
+import numpy as np
+
+from core.model.result import RunResult
+from core.sim.bound import Bound, pipeline_bound
+
+# Keys whose values depend on the machine, not on the scenario and seed.
+WALL_CLOCK_KEYS = frozenset({"sim/wall_s", "mem/peak_rss_mb"})
+
+
+def _mean(xs: list[float]) -> float:
+    return float(np.mean(xs)) if xs else 0.0
+
+
+def collect(result: RunResult, bound: Bound | None = None, gpu: dict | None = None) -> dict[str, float | int | str | None]:
+    """Every metric of a finished run (``bound``: the mode's pipeline bound, if already computed;
+    ``gpu``: what an NVML sampler measured during the run, if a GPU was visible). A pure
+    function of its arguments, but for ``mem/peak_rss_mb``, the process's high-water mark."""
+    sc, led, place = result.scenario, result.ledger, result.placement
+    end = result.end_s
+    ps = result.sync
+    engines = result.engines
+    trained = led.trained  # distinct samples
+    trainings = led.trainings  # as many as trained, unless a replay stage reuses samples
+    engine_busy = sum(e.busy_s for e in engines)
+    trainer_compute = result.trainer.compute_s
+    generated = sum(e.tokens_generated for e in engines)
+    dropped = led.dropped_total
+    observed = result.in_flight
+    e2e = np.asarray(led.e2e_s) if led.e2e_s else np.zeros(1)
+    real = sc.runtime != "sim"
+    if bound is None and not real:
+        bound = pipeline_bound(sc, result.mode)
+    thr = trainings / end if end > 0 else 0.0
+    gpu_s = place.total_gpus * end
+    rollout_gpus = len(engines) * place.gpus_per_engine
+    if place.colocated:
+        sync_gpu_s = sum(ps.pause_s) * place.total_gpus
+    else:  # the trainer waits out the whole sync; engines stop only while weights move
+        sync_gpu_s = sum(ps.pause_s) * place.trainer_gpus + sum(ps.transfer_s) * rollout_gpus
+    share = {
+        "generate": engine_busy * place.gpus_per_engine,
+        "train": trainer_compute * place.trainer_gpus,
+        "sync": sync_gpu_s,
+    }
+    share = {k: v / gpu_s if gpu_s else 0.0 for k, v in share.items()}
+    share["idle"] = max(0.0, 1.0 - sum(share.values()))
+
+    m: dict[str, float | int | str] = {
+        "throughput/trained_samples_per_s": thr,
+        "throughput/fresh_samples_per_s": trained / end if end > 0 else 0.0,
+        "throughput/trained_tokens_per_s": (led.prompt_tokens + led.response_tokens) / end if end else 0.0,
+        "throughput/generated_tokens_per_s": generated / end if end else 0.0,
+        "latency/sample_e2e_p50_s": float(np.percentile(e2e, 50)),
+        "latency/sample_e2e_p99_s": float(np.percentile(e2e, 99)),
+        "latency/step_mean_s": end / max(1, result.trainer.step),
+        "sync/count": len(ps.pause_s),
+        "sync/pause_mean_s": _mean(ps.pause_s),
+        "sync/drain_mean_s": _mean(ps.drain_s),
+        "sync/transfer_mean_s": _mean(ps.transfer_s),
+        "util/rollout_busy": engine_busy / (len(engines) * end) if end else 0.0,
+        "util/rollout_batch_mean": sum(e.seq_s for e in engines) / engine_busy if engine_busy else 0.0,
+        "util/trainer_busy": trainer_compute / end if end else 0.0,
+        "trainer/wait_s": result.trainer.wait_s,
+        "util/gpu": share["generate"] + share["train"],
+        "util/gpu_source": "spans" if real else "modeled",
+        "gpu_time/generate": share["generate"],
+        "gpu_time/train": share["train"],
+        "gpu_time/sync": share["sync"],
+        "gpu_time/idle": share["idle"],
+        "staleness/mean": led.staleness_sum / trainings if trainings else 0.0,
+        "staleness/token_mean": led.token_staleness_sum / led.response_tokens if led.response_tokens else 0.0,
+        "staleness/max": led.staleness_max,
+        "staleness/bound": led.max_staleness,
+        "partial/ratio": led.interrupted / trained if trained else 0.0,
+        "partial/interrupts": led.interrupts,
+        "partial/resumes": led.resumes,
+        "samples/produced": led.produced,
+        "samples/trained": trained,
+        "samples/trainings": trainings,
+        "samples/dropped": dropped,
+        "samples/in_flight": observed,
+        "samples/lost": led.produced - trained - dropped - observed,
+        "tokens/generated": generated,
+        "tokens/trained_response": led.response_tokens,
+        "tokens/prefill": sum(e.prefill_tokens for e in engines),
+        "trainer/steps": result.trainer.step,
+        "trainer/final_version": result.trainer.version,
+    }
+    if bound is not None:
+        m.update({
+            "bound/trained_samples_per_s": bound.trained_samples_per_s,
+            "bound/resource_samples_per_s": bound.resource_samples_per_s,
+            "bound/rollout_samples_per_s": bound.rollout_samples_per_s,
+            "bound/trainer_samples_per_s": bound.trainer_samples_per_s,
+            "bound/limited_by": bound.limited_by,
+            "bound/version_bubble_s": bound.version_bubble_s,
+            "bound/efficiency": thr / bound.trained_samples_per_s if bound.trained_samples_per_s else 0.0,
+        })
+    else:
+        m.update({"bound/trained_samples_per_s": None, "bound/efficiency": None, "bound/limited_by": "not computed on a real runtime"})
+    if real:
+        m.update(_learned(result, end))
+        if gpu:
+            m["util/gpu_spans"] = m["util/gpu"]
+            m.update(gpu)  # util/gpu and util/gpu_source: nvml, per-device figures
+        m["run/duration_s"] = end
+        m["run/wall_s"] = result.wall_s
+    else:
+        m["sim/duration_s"] = end
+        m["sim/wall_s"] = result.wall_s
+    # The process's high-water mark so far (Linux: KiB), not this run's alone: what a load
+    # run must show stays flat.
+    m["mem/peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    m["samples/requeued"] = led.requeued
+    m.update(result.faults.metrics())
+    for reason, n in sorted(led.dropped.items()):
+        m[f"samples/dropped_{reason}"] = n
+    for name, n in result.queue_counters.items():
+        m[f"queue/{name}_groups"] = n
+    if result.replay_counters is not None:
+        for name, v in result.replay_counters.items():
+            m[f"replay/{name}"] = v
+    return m
+
+
+def _learned(result: RunResult, end: float) -> dict:
+    """What the real trainer learned and how hard it worked."""
+    led, be = result.ledger, result.trainer
+    info = be.step_info
+    rewards = [i["reward_mean"] for i in info if "reward_mean" in i]
+    k = max(1, len(rewards) // 5)
+    peak = be.peak_flops
+    trainer_devices = result.placement.trainer_gpus
+    m = {
+        "learn/reward_mean": led.reward_sum / led.rewarded if led.rewarded else 0.0,
+        "learn/reward_first_steps": float(np.mean(rewards[:k])) if rewards else 0.0,
+        "learn/reward_last_steps": float(np.mean(rewards[-k:])) if rewards else 0.0,
+        "util/mfu": be.flops / (end * peak) if end and peak else 0.0,
+        "util/mfu_busy": be.flops / (be.compute_s * peak) if be.compute_s and peak else 0.0,
+        "util/mfu_peak_tflops": peak / 1e12,
+        "util/mfu_devices": trainer_devices,
+    }
+    evals = result.evaluations
+    if evals:
+        m["eval/count"] = len(evals)
+        m["eval/reward_first"] = evals[0]["reward_mean"]
+        m["eval/reward_last"] = evals[-1]["reward_mean"]
+    return m
+
+
+def series(result: RunResult) -> dict[str, list]:
+    """Time series for plots and report.json."""
+    led = result.ledger
+    out = {
+        "step_end_s": [t for t, _ in led.step_ends],
+        "trained_samples": [n for _, n in led.step_ends],
+        "staleness_per_group": [tv - gv for _, gv, tv in led.trained_log],
+    }
+    info = [i for i in result.trainer.step_info if "reward_mean" in i]
+    if info:
+        # Reward of each step's batch, against trained samples and against wall time.
+        out["learn_step_end_s"] = [i["end_s"] for i in info]
+        out["learn_trained_samples"] = [i["trainings"] for i in info]
+        out["learn_reward_mean"] = [i["reward_mean"] for i in info]
+        out["learn_loss"] = [i.get("loss") for i in info]
+    if result.evaluations:
+        out["eval"] = list(result.evaluations)
+    if result.faults.records:
+        out["faults"] = result.faults.state()
+    return out

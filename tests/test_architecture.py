@@ -1,0 +1,109 @@
+"""The layout holds: packages import only downward, no file-level import loops, and no import
+hidden inside a function to break one (DESIGN.md, Layout)."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# What each layer may import (besides itself). runtimes → pipeline → model; harness on top.
+ALLOWED = {
+    "ext": set(),
+    "core": set(),  # the package itself: nothing
+    "core.model": {"ext"},
+    "core.api": {"core.model"},
+    "core.store": {"core.model", "ext"},
+    "core.sim": {"core.api", "core.model"},
+    "core.real": {"core.api", "core.model"},
+    "core.pipeline": {"core.api", "core.model", "core.store", "ext"},
+    "core.runtimes": {"core.api", "core.model", "core.store", "core.pipeline", "core.sim", "core.real", "ext"},
+    "harness": {"core", "ext"},
+}
+# The one loop the design keeps (the pickle hook of a Sample goes through its wire form), and
+# imports deferred because the module imports torch, which a sim run never needs.
+INNER_ALLOWED = {
+    ("core.model.sample", "core.model.group_wire"),
+    ("core.real.workers", "core.real.engine_torch"),
+    ("core.real.workers", "core.real.grpo"),
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pattern in ("core/**/*.py", "ext/*.py", "harness/*.py"):
+        for p in ROOT.glob(pattern):
+            name = ".".join(p.relative_to(ROOT).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = p
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(path: Path) -> list[tuple[str, bool]]:
+    """(project module imported, at file level?) for every import in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        target = next((n for n in names if n in MODULES), None)
+        if target is not None:
+            found.append((target, node.col_offset == 0))
+    return found
+
+
+def _layer(module: str) -> str:
+    return max((k for k in ALLOWED if module == k or module.startswith(k + ".")), key=len)
+
+
+GRAPH = {m: [t for t, top in _imports(p) if top] for m, p in MODULES.items()}
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_only_downward(module):
+    mine = _layer(module)
+    for target, _ in _imports(MODULES[module]):
+        theirs = _layer(target)
+        ok = theirs == mine or any(theirs == a or theirs.startswith(a + ".") for a in ALLOWED[mine])
+        assert ok, f"{module} ({mine}) imports {target} ({theirs})"
+
+
+def test_nothing_in_core_imports_the_dispatcher():
+    users = [m for m, deps in GRAPH.items() if "core.runtimes.dispatch" in deps and m.startswith("core")]
+    assert not users
+
+
+def test_no_file_level_import_loop():
+    state: dict[str, int] = {}
+    loops = []
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for t in GRAPH[m]:
+            if state.get(t) == 1:
+                loops.append(path[path.index(t):] + [t])
+            elif t not in state:
+                visit(t, path + [t])
+        state[m] = 2
+
+    for m in GRAPH:
+        if m not in state:
+            visit(m, [m])
+    assert not loops
+
+
+def test_no_import_inside_a_function_but_the_known_ones():
+    inner = {(m, t) for m, p in MODULES.items() for t, top in _imports(p) if not top}
+    assert inner <= INNER_ALLOWED, sorted(inner - INNER_ALLOWED)
+
+
+def test_the_checker_sees_a_violation():
+    # The checks above pass only if they can fail: an upward import is caught.
+    assert _layer("core.model.config") == "core.model"
+    assert not any(_layer("core.runtimes.sim") == a for a in ALLOWED["core.pipeline"])
