@@ -13,8 +13,6 @@ import math
 from collections import deque
 from typing import Any, Optional
 
-import numpy as np
-
 from core.api import Engine, PauseMode, PromptSource, RewardFn
 from core.model.faults import FaultLog, RestartsExhausted, WorkerLost, worker_key
 from core.model.ledger import Ledger
