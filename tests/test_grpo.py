@@ -167,6 +167,23 @@ def test_zero_spread_group_gives_zero_gradient(model_dir):
     assert all(np.array_equal(before[k], after[k]) for k in before)
 
 
+def test_batch_importance_weights_scale_each_groups_part_of_the_gradient(model_dir):
+    # A prioritized replay draw's importance weights reach the loss through the Batch.
+    b = TorchTrainBackend(model_dir, LearnSpec(), threads=THREADS)
+    gs = _onpolicy_groups(b, model_dir)
+    g0, g1 = _flat(b.gradient(Batch([gs[0]]))), _flat(b.gradient(Batch([gs[1]])))
+    assert g0.norm() > 0 and g1.norm() > 0
+    # The loss is a token mean over the batch: each group's part is its gradient, weighted.
+    plain = _flat(b.gradient(Batch(gs)))
+    weighted = _flat(b.gradient(Batch(gs, np.array([0.0, 3.0]))))
+    ones = _flat(b.gradient(Batch(gs, np.ones(2))))
+    assert torch.allclose(ones, plain, atol=1e-7)
+    n0, n1 = (sum(len(s.response_tokens) for s in g.samples) for g in gs)
+    expected = 3.0 * g1 * n1 / (n0 + n1)
+    assert torch.allclose(weighted, expected, rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(weighted, plain, rtol=1e-3)
+
+
 def test_is_weight_truncated_at_cap(model_dir):
     cap = 1.5
     b = TorchTrainBackend(model_dir, LearnSpec(is_cap=cap), threads=THREADS)
