@@ -185,9 +185,9 @@ def connect_trainer(
         def priority(g: Group) -> float:
             # Real rewards when the engines made some; else the workload's modelled spread.
             rewards = [s.reward for s in g.samples if s.reward is not None]
-            if rewards or spread is None:
-                return float(np.std(rewards)) if rewards else 0.0
-            return spread(g.prompt_id)
+            if rewards:
+                return float(np.std(rewards))
+            return spread(g.prompt_id) if spread is not None else 0.0
 
         replay = ReplayStage(
             queue=queue,
@@ -259,11 +259,20 @@ def release_unused(trainer: Trainer, replay: Optional[ReplayStage], ledger: Ledg
     trainer.holding = Batch()
 
 
+def producer_in_flight(rollouter: Rollouter, queue: AsyncStalenessQueue, group_size: int) -> int:
+    """Samples being generated, waiting to be generated again, or queued."""
+    return rollouter.in_flight() + len(queue) * group_size
+
+
+def consumer_in_flight(trainer: Trainer, replay: Optional[ReplayStage]) -> int:
+    """Samples the trainer pulled (or the replay ring holds) and never trained."""
+    unused = replay.untrained() if replay else trainer.holding.groups
+    return sum(g.size for g in unused)
+
+
 def in_flight(system: System) -> int:
     """Samples observed in the components right now (not derived from the ledger)."""
-    unused = system.replay.untrained() if system.replay else system.trainer.holding.groups
     return (
-        system.rollouter.in_flight()
-        + sum(g.size for g in unused)
-        + len(system.queue) * system.scenario.workload.group_size
+        producer_in_flight(system.rollouter, system.queue, system.scenario.workload.group_size)
+        + consumer_in_flight(system.trainer, system.replay)
     )

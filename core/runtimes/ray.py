@@ -38,7 +38,10 @@ from core.model.ledger import Ledger
 from core.model.result import EngineCounters, RunResult, SyncCounters, TrainerCounters
 from core.model.sample import Group
 from core.model.timeline import Timeline
-from core.pipeline.wiring import ProgressFn, Workers, connect_rollout, connect_trainer, end_rollout, make_queue, release_unused, trained_bound
+from core.pipeline.wiring import (
+    ProgressFn, Workers, connect_rollout, connect_trainer, consumer_in_flight, end_rollout, make_queue, producer_in_flight,
+    release_unused, trained_bound,
+)
 from core.real.evaluation import Evaluations
 from core.real.reward import ServeReward, TaskPrompts, TaskReward, deploy_reward, make_task
 from core.real.tiny_model import ensure
@@ -310,7 +313,7 @@ class RolloutHost:
             "timeline": timeline,
             "engines": [EngineCounters.of(e, sup.restarts) for e, sup in zip(self.engines, self.rollouter.engines)],
             "queue_counters": self.queue.counters(),
-            "in_flight": self.rollouter.in_flight() + len(self.queue) * self.sc.workload.group_size,
+            "in_flight": producer_in_flight(self.rollouter, self.queue, self.sc.workload.group_size),
             "faults": self.faults.state(),
         }
 
@@ -473,7 +476,6 @@ class TrainerHost:
         """End of run: what the trainer holds untrained is dropped; the trainer half of the run."""
         t, be, ps = self.trainer, self.backend, self.param_sync
         release_unused(t, self.replay, self.ledger)
-        held = self.replay.untrained() if self.replay else t.holding.groups
         return {
             "ledger": self.ledger,
             "timeline": self.timeline,
@@ -481,7 +483,7 @@ class TrainerHost:
             "trainer": TrainerCounters(t.step, t.version, t.wait_s, t.step_info, be.compute_s, be.flops, be.peak_flops),
             "sync": SyncCounters(ps.pause_s, ps.drain_s, ps.transfer_s),
             "replay_counters": self.replay.counters() if self.replay else None,
-            "in_flight": sum(g.size for g in held),
+            "in_flight": consumer_in_flight(t, self.replay),
         }
 
     def now(self) -> float:
