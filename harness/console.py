@@ -94,6 +94,26 @@ def comparison_table(name: str, summary: dict) -> Table:
     return t
 
 
+# Outside these an implied MFU says the scenario's costs (or a published time) are not physical:
+# above peak, or a trainer idling at its own work.
+MFU_HIGH = 1.0
+MFU_LOW = 0.05
+
+
+def implied_mfu_lines(summary: dict) -> list[str]:
+    """A sentence per mode and role whose implied MFU is above 100 % or below 5 %. The engines
+    are flagged above 100 % only: decode reads every weight per step, and a few % is its norm."""
+    out = []
+    for mode, row in summary["modes"].items():
+        for key, role in (("util/implied_trainer_mfu", "trainer"), ("util/implied_rollout_mfu", "engines")):
+            v = row.get(key)
+            if v is None or MFU_LOW <= v <= MFU_HIGH or (role == "engines" and v < MFU_LOW):
+                continue
+            why = "above the GPUs' peak" if v > MFU_HIGH else "below 5 % of peak while busy"
+            out.append(f"{mode}: the {role} imply {100 * v:.1f} % MFU ({key}), {why}: check the scenario's costs.")
+    return out
+
+
 def faults_table(name: str, summary: dict) -> Table | None:
     """Every injected fault of every mode and how long its component took to serve again;
     None when the run injected none."""

@@ -15,6 +15,7 @@ import numpy as np
 
 from core.model.result import RunResult
 from core.sim.bound import Bound, pipeline_bound
+from core.sim.costs import matmul_params
 
 # Keys whose values depend on the machine, not on the scenario and seed.
 WALL_CLOCK_KEYS = frozenset({"sim/wall_s", "mem/peak_rss_mb"})
@@ -124,6 +125,7 @@ def collect(result: RunResult, bound: Bound | None = None, gpu: dict | None = No
     # The process's high-water mark so far (Linux: KiB), not this run's alone: what a load
     # run must show stays flat.
     m["mem/peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    m.update(implied_mfu(result))
     m["samples/requeued"] = led.requeued
     m.update(result.faults.metrics())
     for reason, n in sorted(led.dropped.items()):
@@ -134,6 +136,23 @@ def collect(result: RunResult, bound: Bound | None = None, gpu: dict | None = No
         for name, v in result.replay_counters.items():
             m[f"replay/{name}"] = v
     return m
+
+
+def implied_mfu(result: RunResult) -> dict[str, float | None]:
+    """Model FLOPs done over the GPU-seconds each role was busy, at BF16 peak: what the run's
+    times imply about its GPUs. The trainer counts what the algorithm needs (forward, backward
+    and a log-prob forward where the mode recomputes them; no activation recompute, as MFU is
+    usually stated); the engines 2 x matmul parameters per token generated or prefilled
+    (attention left out). The engines' figure is the sim's only (a real run's engines serve a
+    model the scenario's ``model:`` does not describe)."""
+    be, sc, place = result.trainer, result.scenario, result.placement
+    trainer = be.flops / (be.compute_s * be.peak_flops) if be.compute_s and be.peak_flops else None
+    rollout = None
+    busy_gpu_s = sum(e.busy_s for e in result.engines) * place.gpus_per_engine
+    if sc.runtime == "sim" and busy_gpu_s:
+        tokens = sum(e.tokens_generated + e.prefill_tokens for e in result.engines)
+        rollout = 2.0 * matmul_params(sc.model) * tokens / (busy_gpu_s * sc.gpu.bf16_tflops * 1e12)
+    return {"util/implied_trainer_mfu": trainer, "util/implied_rollout_mfu": rollout}
 
 
 def _learned(result: RunResult, end: float) -> dict:

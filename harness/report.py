@@ -26,6 +26,8 @@ SUMMARY_KEYS = (
     "latency/sample_e2e_p99_s",
     "sync/pause_mean_s",
     "util/gpu",
+    "util/implied_trainer_mfu",
+    "util/implied_rollout_mfu",
     "gpu_time/generate",
     "gpu_time/train",
     "gpu_time/sync",

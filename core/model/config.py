@@ -45,6 +45,14 @@ class ModelSpec(_Frozen):
     """Head dimension (Qwen2.5-7B: 3584 / 28 heads)."""
     dtype_bytes: int = Field(2, ge=1, le=8)
     """Bytes per weight and per KV element (bf16)."""
+    vocab: Optional[int] = Field(None, ge=1)
+    """Vocabulary size (Qwen2.5-7B config.json: vocab_size 152064). Given, the input embedding
+    (vocab x hidden parameters) is a lookup: left out of the FLOPs and of the weights a decode
+    step reads, unless ``tied_embeddings``. None prices every parameter as a matmul weight, as
+    scenarios written before this field were."""
+    tied_embeddings: bool = False
+    """The output layer reuses the input embedding (Qwen2.5-7B config.json: tie_word_embeddings
+    false; Qwen2.5-1.5B: true); tied, its matrix is multiplied by the lm_head and nothing is left out."""
 
 
 class GpuSpec(_Frozen):
@@ -58,6 +66,9 @@ class GpuSpec(_Frozen):
     """Dense BF16 peak in TFLOP/s (NVIDIA H20 datasheet: 148)."""
     hbm_efficiency: float = Field(0.8, gt=0, le=1)
     """Fraction of peak bandwidth a decode kernel reaches (typical for large streaming reads on HBM3)."""
+    nvlink_gb_s: float = Field(450.0, gt=0)
+    """NVLink bandwidth per GPU and direction in GB/s, for tensor-parallel all-reduces
+    (NVIDIA H20 datasheet: 900 GB/s NVLink, both directions)."""
 
 
 class ResourcesSpec(_Frozen):
@@ -105,6 +116,9 @@ class RolloutSpec(_Frozen):
     """Fraction of BF16 peak reached by decode GEMMs once compute-bound (assumed)."""
     prefill_mfu: float = Field(0.5, gt=0, le=1)
     """Fraction of BF16 peak reached by prefill, including re-prefill of resumed partial responses (assumed)."""
+    allreduce_latency_s: float = Field(1e-5, ge=0)
+    """Fixed cost of one tensor-parallel all-reduce, two per layer per decode step when
+    resources.gpus_per_engine > 1 (assumed: ~10 us, a small NCCL or vLLM custom all-reduce on NVLink)."""
 
 
 class TrainerSpec(_Frozen):
@@ -123,6 +137,14 @@ class TrainerSpec(_Frozen):
     """Fixed cost per step: optimizer update and gradient reduction of a sharded 7B model (assumed)."""
     recompute_logprobs: tuple[Mode, ...] = ()
     """Modes whose trainer recomputes behaviour log-probs in an extra forward pass (verl colocate: old_log_prob)."""
+    colocated_mfu: Optional[float] = Field(None, gt=0, le=1)
+    """MFU of the trainer when it shares its GPUs with the engines (sync mode); None: trainer.mfu.
+    verl's published 16:16 phase times put its colocated trainer at 2.3x fewer samples per
+    GPU-second than its separated one (docs/results/2026-11-30-published-predictions.md)."""
+    activation_recompute: bool = False
+    """Gradient checkpointing: the backward recomputes the forward, 4 forward passes per sample
+    instead of 3 (verl DAPO recipes: enable_gradient_checkpointing True; AReaL: gradient_checkpointing
+    true). False keeps scenarios written before this field as they were."""
 
 
 class StalenessSpec(_Frozen):
@@ -144,8 +166,17 @@ class SyncSpec(_Frozen):
     """Fixed cost of one transfer: gathering shards and starting the broadcast (assumed)."""
     colocated_bandwidth_gb_s: float = Field(400.0, gt=0)
     """Bandwidth of the in-node reshard in colocated sync mode (NVLink, H20: 900 GB/s peak)."""
-    colocated_switch_s: float = Field(3.0, ge=0)
-    """Colocated mode only: time to swap between engine and trainer memory (KV cache free/rebuild) each sync (assumed)."""
+    colocated_switch_s: Optional[float] = Field(None, ge=0)
+    """Colocated mode only: time to swap between engine and trainer memory each sync. None
+    computes it: each GPU moves its share of the trainer state (sync.trainer_state_bytes_per_param)
+    and its engine's weights to the host and back at sync.offload_gb_s. A number overrides that
+    (before this was computed it was a flat 3 s, assumed)."""
+    offload_gb_s: float = Field(25.0, gt=0)
+    """Host-device bandwidth per GPU in GB/s for the colocated switch (PCIe Gen5 x16: 64 GB/s
+    peak per direction; assumed 25 with eight GPUs sharing a host's memory)."""
+    trainer_state_bytes_per_param: float = Field(14.0, ge=0)
+    """Trainer bytes per parameter moved aside at a colocated switch: bf16 weights 2 + fp32
+    master weights 4 + Adam moments 8 (ZeRO paper's mixed-precision Adam, gradients freed)."""
 
 
 class ReplaySpec(_Frozen):

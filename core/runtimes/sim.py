@@ -32,7 +32,7 @@ def sim_workers(sc: Scenario, mode: str, timeline: Timeline) -> Workers:
     ]
     for e in engines:
         e.restart_s = sc.recovery.engine_restart_s
-    backend = SimTrainBackend(TrainCost(sc, place.trainer_gpus, mode in sc.trainer.recompute_logprobs))
+    backend = SimTrainBackend(TrainCost(sc, place.trainer_gpus, mode in sc.trainer.recompute_logprobs, colocated=place.colocated))
     transfer = SimWeightTransfer(TransferCost(sc, colocated=place.colocated))
     return Workers(engines, backend, transfer, spread=Workload(sc.workload, sc.seed).reward_spread)
 

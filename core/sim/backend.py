@@ -19,8 +19,8 @@ class SimTrainBackend:
     def __init__(self, cost: TrainCost) -> None:
         self.cost = cost
         self.compute_s = 0.0
-        self.flops = 0.0  # modelled, not counted
-        self.peak_flops = 0.0
+        self.flops = 0.0  # model FLOPs of the steps trained (cost.model_flops)
+        self.peak_flops = cost.peak_flops
 
     async def train_step(self, batch: Batch, version: int) -> dict:
         tokens = 0
@@ -32,6 +32,7 @@ class SimTrainBackend:
                 tokens_sq += t * t
         dt = self.cost.step_s(tokens, tokens_sq)
         self.compute_s += dt
+        self.flops += self.cost.model_flops(tokens, tokens_sq)
         await asyncio.sleep(dt)
         return {"tokens": tokens}
 

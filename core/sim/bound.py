@@ -105,7 +105,7 @@ def pipeline_bound(sc: Scenario, mode: str) -> Bound:
     prefill = decode.prefill_s(0, w.prompt_tokens)
     rollout = busy / (mean_l * step / batch + prefill / w.group_size)
 
-    train = TrainCost(sc, place.trainer_gpus, mode in sc.trainer.recompute_logprobs)
+    train = TrainCost(sc, place.trainer_gpus, mode in sc.trainer.recompute_logprobs, colocated=place.colocated)
     mean_t = p + mean_l
     mean_t2 = p * p + 2 * p * mean_l + mean_l2
     train_per_sample = train.sample_flops(mean_t, mean_t2) / train.flops + train.overhead_s / sc.trainer.batch_size
@@ -143,7 +143,7 @@ def _cohort_clock(sorted_lengths: np.ndarray, cohort: int, decode: DecodeCost, p
     k = np.arange(top + 1)
     alive = 1.0 - np.searchsorted(sorted_lengths, k, side="right") / len(sorted_lengths)
     running = cohort * alive
-    step = decode.overhead_s + np.maximum(decode.weights_s, running * decode.per_seq_compute_s)
+    step = decode.base_s_many(running)
     step += decode.kv_s_per_token * running * (prompt + k)
     return np.concatenate(([0.0], np.cumsum(step)))
 

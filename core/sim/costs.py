@@ -5,25 +5,48 @@ Each is a roofline from the scenario's hardware and model figures, nothing fitte
 
 from __future__ import annotations
 
-from core.model.config import Scenario
+import numpy as np
+
+from core.model.config import ModelSpec, Scenario
+
+
+def matmul_params(m: ModelSpec) -> float:
+    """Parameters a token is multiplied by: all but an untied input embedding, which is a lookup."""
+    embedding = m.vocab * m.hidden if m.vocab is not None and not m.tied_embeddings else 0
+    return m.params_b * 1e9 - embedding
+
+
+def allreduce_s(sc: Scenario, gpus: int, tokens: float) -> float:
+    """Tensor-parallel all-reduces of one forward over ``tokens`` tokens on ``gpus`` GPUs: two
+    per layer (after attention and after the MLP) of tokens x hidden activations, a ring moving
+    2 (g - 1) / g of them per GPU over NVLink, plus each all-reduce's fixed latency."""
+    if gpus <= 1:
+        return 0.0
+    m = sc.model
+    ring_bytes = 2.0 * (gpus - 1) / gpus * tokens * m.hidden * m.dtype_bytes
+    return 2 * m.layers * (sc.rollout.allreduce_latency_s + ring_bytes / (sc.gpu.nvlink_gb_s * 1e9))
 
 
 class DecodeCost:
     """Time of one continuous-batching decode step of one engine.
 
-    step(B, C) = overhead + max(weights / bw, B * 2P / flops) + C * kv_bytes / bw,
+    step(B, C) = overhead + max(weights / bw, B * 2P / flops) + allreduce(B) + C * kv_bytes / bw,
     with B running sequences holding C context tokens in all: the weights are read once
-    per step, every running sequence's KV cache is read once per step.
+    per step, every running sequence's KV cache is read once per step. P counts the matmul
+    weights (``matmul_params``); allreduce(B) is the tensor-parallel term, 0 on one GPU.
     """
 
     def __init__(self, sc: Scenario, gpus: int) -> None:
         m, g, r = sc.model, sc.gpu, sc.rollout
         bw = g.hbm_gb_s * 1e9 * g.hbm_efficiency * gpus
         flops = g.bf16_tflops * 1e12 * gpus
-        self.params = m.params_b * 1e9
+        self.params = matmul_params(m)
         self.overhead_s = r.decode_overhead_s
         self.weights_s = self.params * m.dtype_bytes / bw
         self.per_seq_compute_s = 2.0 * self.params / (flops * r.decode_mfu)
+        # allreduce(B) = fixed + B * per_seq: linear in the batch, one token per sequence.
+        self.allreduce_fixed_s = allreduce_s(sc, gpus, 0.0)
+        self.allreduce_per_seq_s = allreduce_s(sc, gpus, 1.0) - self.allreduce_fixed_s
         self.kv_bytes_per_token = 2 * m.layers * m.kv_heads * m.head_dim * m.dtype_bytes
         self.kv_s_per_token = self.kv_bytes_per_token / bw
         self._attn = 2.0 * m.layers * m.hidden
@@ -31,7 +54,13 @@ class DecodeCost:
 
     def base_s(self, running: int) -> float:
         """The part of a step that does not grow with context."""
-        return self.overhead_s + max(self.weights_s, running * self.per_seq_compute_s)
+        return (self.overhead_s + max(self.weights_s, running * self.per_seq_compute_s)
+                + self.allreduce_fixed_s + running * self.allreduce_per_seq_s)
+
+    def base_s_many(self, running: np.ndarray) -> np.ndarray:
+        """``base_s`` of many (possibly fractional) running counts at once."""
+        return (self.overhead_s + np.maximum(self.weights_s, running * self.per_seq_compute_s)
+                + self.allreduce_fixed_s + running * self.allreduce_per_seq_s)
 
     def step_s(self, running: int, context_tokens: float) -> float:
         return self.base_s(running) + context_tokens * self.kv_s_per_token
@@ -41,39 +70,65 @@ class DecodeCost:
         new = end - start
         if new <= 0:
             return 0.0
-        return (2.0 * self.params * new + self._attn * (end * end - start * start)) / self._prefill_flops
+        flops_s = (2.0 * self.params * new + self._attn * (end * end - start * start)) / self._prefill_flops
+        return flops_s + self.allreduce_fixed_s + new * self.allreduce_per_seq_s
 
 
 class TrainCost:
     """Time of one trainer step: forward + backward FLOPs over the batch at a stated MFU.
 
-    Forward + backward is 3 forwards; recomputing log-probs first adds one more.
+    Forward + backward is 3 forwards; recomputing log-probs first adds one more, and
+    activation recompute (gradient checkpointing) one more in the backward. ``colocated``: the
+    trainer shares its GPUs with the engines and runs at ``trainer.colocated_mfu`` if set.
     """
 
-    def __init__(self, sc: Scenario, gpus: int, recompute_logprobs: bool = False) -> None:
+    def __init__(self, sc: Scenario, gpus: int, recompute_logprobs: bool = False, colocated: bool = False) -> None:
         m, t = sc.model, sc.trainer
-        self.params = m.params_b * 1e9
-        self.passes = 4.0 if recompute_logprobs else 3.0
+        self.params = matmul_params(m)
+        # What the algorithm needs (model FLOPs), and what the GPUs run (activation recompute too).
+        self.model_passes = 4.0 if recompute_logprobs else 3.0
+        self.passes = self.model_passes + (1.0 if t.activation_recompute else 0.0)
         self._attn = 2.0 * self.passes * m.layers * m.hidden
-        self.flops = gpus * sc.gpu.bf16_tflops * 1e12 * t.mfu
+        self.peak_flops = gpus * sc.gpu.bf16_tflops * 1e12
+        mfu = t.colocated_mfu if colocated and t.colocated_mfu is not None else t.mfu
+        self.flops = self.peak_flops * mfu
         self.overhead_s = t.step_overhead_s
 
     def sample_flops(self, tokens: float, tokens_sq: float) -> float:
         """FLOPs of training on sequences with sum of lengths ``tokens`` and sum of squares ``tokens_sq``."""
         return 2.0 * self.passes * self.params * tokens + self._attn * tokens_sq
 
+    def model_flops(self, tokens: float, tokens_sq: float) -> float:
+        """The FLOPs of ``sample_flops`` that the algorithm needs: without activation recompute."""
+        return self.sample_flops(tokens, tokens_sq) * self.model_passes / self.passes
+
     def step_s(self, tokens: float, tokens_sq: float) -> float:
         return self.overhead_s + self.sample_flops(tokens, tokens_sq) / self.flops
 
 
 class TransferCost:
-    """Weight transfer: latency + bytes / bandwidth; a broadcast costs one pass however many receive."""
+    """Weight transfer: latency + bytes / bandwidth; a broadcast costs one pass however many receive.
+    Colocated, each sync also pays the switch between trainer and engine memory (``switch_s``)."""
 
     def __init__(self, sc: Scenario, colocated: bool) -> None:
         s = sc.sync
         self.bytes = sc.model.params_b * 1e9 * sc.model.dtype_bytes
-        self.latency_s = s.latency_s + (s.colocated_switch_s if colocated else 0.0)
+        self.switch_s = colocated_switch_s(sc) if colocated else 0.0
+        self.latency_s = s.latency_s + self.switch_s
         self.bandwidth = (s.colocated_bandwidth_gb_s if colocated else s.bandwidth_gb_s) * 1e9
 
     def seconds(self) -> float:
         return self.latency_s + self.bytes / self.bandwidth
+
+
+def colocated_switch_s(sc: Scenario) -> float:
+    """Seconds per sync that colocated GPUs spend moving state aside and back: ``sync.colocated_switch_s``
+    if given, else each GPU's share of the trainer state (sharded over every GPU) plus its engine's
+    weights (sharded over the engine's GPUs), out to the host and back at ``sync.offload_gb_s``."""
+    s, r, m = sc.sync, sc.resources, sc.model
+    if s.colocated_switch_s is not None:
+        return s.colocated_switch_s
+    params = m.params_b * 1e9
+    per_gpu = params * s.trainer_state_bytes_per_param / (r.rollout_gpus + r.trainer_gpus)
+    per_gpu += params * m.dtype_bytes / r.gpus_per_engine
+    return 2.0 * per_gpu / (s.offload_gb_s * 1e9)
