@@ -67,15 +67,16 @@ def comparison_table(name: str, summary: dict) -> Table:
         box=box.SIMPLE_HEAD,
         pad_edge=False,
         caption=(
+            "Trained samples and tokens (prompt + response) per second; vs sync and of bound in tokens. "
             "GPU time: % of all GPU-seconds generating/training/syncing/idle. "
-            f"Staleness: mean/max versions. Samples lost: {lost}."
+            f"Pause: mean sync pause. Stale: mean/max versions. Samples lost: {lost}."
         ),
         caption_justify="left",
     )
     # A real run has no analytic bound; it shows what it learned instead.
     learned = any("learn/reward_first_steps" in row for row in modes.values())
     third = "reward" if learned else "of bound"
-    for title in ("mode", "trained/s", "vs sync", third, "GPU time", "sync pause", "staleness"):
+    for title in ("mode", "samples/s", "tokens/s", "vs sync", third, "GPU time", "pause", "stale"):
         t.add_column(title, justify="left" if title == "mode" else "right", no_wrap=True)
     for mode, row in modes.items():
         if learned:
@@ -85,13 +86,46 @@ def comparison_table(name: str, summary: dict) -> Table:
         t.add_row(
             mode,
             _fmt("throughput/trained_samples_per_s", row["throughput/trained_samples_per_s"]),
-            _fmt("speedup_vs_sync", row.get("speedup_vs_sync")),
+            _compact(row["throughput/trained_tokens_per_s"]),
+            _fmt("speedup_vs_sync", row.get("speedup_vs_sync_tokens", row.get("speedup_vs_sync"))),
             third_cell,
             "/".join(f"{100 * row[f'gpu_time/{k}']:.0f}" for k in ("generate", "train", "sync", "idle")),
             _fmt("sync/pause_mean_s", row["sync/pause_mean_s"]),
             f"{row['staleness/mean']:.2f}/{row['staleness/max']}",
         )
     return t
+
+
+def _compact(v: float) -> str:
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(v) >= div:
+            return f"{v / div:.1f}{suffix}"
+    return f"{v:.1f}"
+
+
+# Below these a mode's speed is partly the work it threw away or never finished.
+LENGTH_BIAS_WARN = 0.97
+WASTE_WARN = 0.02
+
+
+def honesty_lines(summary: dict) -> list[str]:
+    """A sentence per mode whose trained set is shorter than what it admitted, or which threw
+    generated tokens away: samples/s then overstates its speed."""
+    out = []
+    for mode, row in summary["modes"].items():
+        bias, waste = row.get("samples/length_bias"), row.get("tokens/wasted_share") or 0.0
+        if (bias is None or bias >= LENGTH_BIAS_WARN) and waste <= WASTE_WARN:
+            continue
+        parts = []
+        if bias is not None and bias < LENGTH_BIAS_WARN:
+            parts.append(f"its trained responses are {100 * (1 - bias):.0f} % shorter than the ones it admitted")
+        if waste > WASTE_WARN:
+            parts.append(
+                f"{100 * waste:.0f} % of the tokens it generated were thrown away "
+                f"({row.get('samples/dropped', 0):,} samples dropped)"
+            )
+        out.append(f"{mode}: {' and '.join(parts)}; its samples/s overstates its speed, read tokens/s.")
+    return out
 
 
 # Outside these an implied MFU says the scenario's costs (or a published time) are not physical:

@@ -14,8 +14,9 @@ import resource
 import numpy as np
 
 from core.model.result import RunResult
-from core.sim.bound import Bound, pipeline_bound
+from core.sim.bound import Bound, pipeline_bound, trained_lengths
 from core.sim.costs import matmul_params
+from core.sim.workload import Workload
 
 # Keys whose values depend on the machine, not on the scenario and seed.
 WALL_CLOCK_KEYS = frozenset({"sim/wall_s", "mem/peak_rss_mb"})
@@ -25,8 +26,35 @@ def _mean(xs: list[float]) -> float:
     return float(np.mean(xs)) if xs else 0.0
 
 
-def collect(result: RunResult, bound: Bound | None = None, gpu: dict | None = None) -> dict[str, float | int | str | None]:
-    """Every metric of a finished run (``bound``: the mode's pipeline bound, if already computed;
+def bounds(result: RunResult) -> tuple[Bound, Bound] | None:
+    """The sim's pipeline bounds of a run: (for the workload it trained, for the workload as
+    planned); None on a real runtime. A run that evicts long samples, or leaves them in flight
+    at its end, trains a shorter set than planned; its efficiency is taken against that set's
+    own bound, so that dropping work never reads as speed."""
+    sc = result.scenario
+    if sc.runtime != "sim":
+        return None
+    planned = pipeline_bound(sc, result.mode)
+    lengths = trained_lengths(sc, (pid for pid, _, _ in result.ledger.trained_log))
+    return (planned if lengths is None else pipeline_bound(sc, result.mode, lengths)), planned
+
+
+def _length_bias(result: RunResult) -> float | None:
+    """Mean response length of what was trained over that of what was admitted. The sim knows
+    every admitted sample's length; a real engine never says how long a dropped one would
+    have grown, so a real run reports None."""
+    sc, led = result.scenario, result.ledger
+    groups = led.produced // sc.workload.group_size
+    if sc.runtime != "sim" or not led.trainings or not groups:
+        return None
+    admitted = Workload(sc.workload, sc.seed).sample_lengths(groups)
+    return (led.response_tokens / led.trainings) / float(admitted.mean())
+
+
+def collect(
+    result: RunResult, bound: tuple[Bound, Bound] | None = None, gpu: dict | None = None,
+) -> dict[str, float | int | str | None]:
+    """Every metric of a finished run (``bound``: the run's ``bounds``, if already computed;
     ``gpu``: what an NVML sampler measured during the run, if a GPU was visible). A pure
     function of its arguments, but for ``mem/peak_rss_mb``, the process's high-water mark."""
     sc, led, place = result.scenario, result.ledger, result.placement
@@ -43,8 +71,10 @@ def collect(result: RunResult, bound: Bound | None = None, gpu: dict | None = No
     e2e = np.asarray(led.e2e_s) if led.e2e_s else np.zeros(1)
     real = sc.runtime != "sim"
     if bound is None and not real:
-        bound = pipeline_bound(sc, result.mode)
+        bound = bounds(result)
+    bound, planned = bound if bound is not None else (None, None)
     thr = trainings / end if end > 0 else 0.0
+    tok = (led.prompt_tokens + led.response_tokens) / end if end > 0 else 0.0
     gpu_s = place.total_gpus * end
     rollout_gpus = len(engines) * place.gpus_per_engine
     if place.colocated:
@@ -62,7 +92,7 @@ def collect(result: RunResult, bound: Bound | None = None, gpu: dict | None = No
     m: dict[str, float | int | str] = {
         "throughput/trained_samples_per_s": thr,
         "throughput/fresh_samples_per_s": trained / end if end > 0 else 0.0,
-        "throughput/trained_tokens_per_s": (led.prompt_tokens + led.response_tokens) / end if end else 0.0,
+        "throughput/trained_tokens_per_s": tok,
         "throughput/generated_tokens_per_s": generated / end if end else 0.0,
         "latency/sample_e2e_p50_s": float(np.percentile(e2e, 50)),
         "latency/sample_e2e_p99_s": float(np.percentile(e2e, 99)),
@@ -95,23 +125,36 @@ def collect(result: RunResult, bound: Bound | None = None, gpu: dict | None = No
         "samples/in_flight": observed,
         "samples/lost": led.produced - trained - dropped - observed,
         "tokens/generated": generated,
+        "tokens/wasted": led.wasted_tokens,
+        "tokens/wasted_share": led.wasted_tokens / generated if generated else 0.0,
+        "samples/length_bias": _length_bias(result),
         "tokens/trained_response": led.response_tokens,
         "tokens/prefill": sum(e.prefill_tokens for e in engines),
         "trainer/steps": result.trainer.step,
         "trainer/final_version": result.trainer.version,
     }
     if bound is not None:
+        per = bound.tokens_per_sample
         m.update({
             "bound/trained_samples_per_s": bound.trained_samples_per_s,
+            "bound/trained_tokens_per_s": bound.trained_tokens_per_s,
+            "bound/resource_tokens_per_s": bound.resource_samples_per_s * per,
+            "bound/rollout_tokens_per_s": bound.rollout_samples_per_s * per,
+            "bound/trainer_tokens_per_s": bound.trainer_samples_per_s * per,
             "bound/resource_samples_per_s": bound.resource_samples_per_s,
             "bound/rollout_samples_per_s": bound.rollout_samples_per_s,
             "bound/trainer_samples_per_s": bound.trainer_samples_per_s,
             "bound/limited_by": bound.limited_by,
             "bound/version_bubble_s": bound.version_bubble_s,
-            "bound/efficiency": thr / bound.trained_samples_per_s if bound.trained_samples_per_s else 0.0,
+            "bound/efficiency": tok / bound.trained_tokens_per_s if bound.trained_tokens_per_s else 0.0,
+            "bound/planned_trained_samples_per_s": planned.trained_samples_per_s,
+            "bound/planned_trained_tokens_per_s": planned.trained_tokens_per_s,
         })
     else:
-        m.update({"bound/trained_samples_per_s": None, "bound/efficiency": None, "bound/limited_by": "not computed on a real runtime"})
+        m.update({
+            "bound/trained_samples_per_s": None, "bound/trained_tokens_per_s": None, "bound/efficiency": None,
+            "bound/limited_by": "not computed on a real runtime",
+        })
     if real:
         m.update(_learned(result, end))
         if gpu:

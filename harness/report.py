@@ -12,9 +12,8 @@ from pathlib import Path
 
 from core.model.config import Scenario
 from core.model.result import RunResult
-from core.sim.bound import pipeline_bound
 from core.store.checkpoint import write_atomic
-from harness.metrics import collect, series
+from harness.metrics import bounds, collect, series
 from ext import codec, replay, squeue
 
 SCHEMA = "asyncrl.report/1"
@@ -23,6 +22,10 @@ SUMMARY_KEYS = (
     "throughput/trained_samples_per_s",
     "throughput/fresh_samples_per_s",
     "throughput/trained_tokens_per_s",
+    "samples/length_bias",
+    "samples/dropped",
+    "tokens/wasted",
+    "tokens/wasted_share",
     "latency/sample_e2e_p99_s",
     "sync/pause_mean_s",
     "util/gpu",
@@ -44,6 +47,7 @@ SUMMARY_KEYS = (
     "faults/recovered",
     "faults/recovery_mean_s",
     "bound/trained_samples_per_s",
+    "bound/trained_tokens_per_s",
     "bound/efficiency",
     "sim/wall_s",
     "mem/peak_rss_mb",
@@ -97,7 +101,7 @@ def environment() -> dict:
 
 
 def build(sc: Scenario, result: RunResult, env: dict, gpu: dict | None = None) -> dict:
-    bound = pipeline_bound(sc, result.mode) if sc.runtime == "sim" else None
+    both = bounds(result)
     return {
         "schema": SCHEMA,
         "scenario_name": sc.name,
@@ -107,20 +111,24 @@ def build(sc: Scenario, result: RunResult, env: dict, gpu: dict | None = None) -
         "scenario": sc.model_dump(mode="json"),
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         **env,
-        "metrics": collect(result, bound, gpu),
-        "bound": bound.as_dict() if bound else None,
+        "metrics": collect(result, both, gpu),
+        # For the workload the run trained (what its efficiency is taken against), and as planned.
+        "bound": both[0].as_dict() if both else None,
+        "planned_bound": both[1].as_dict() if both else None,
         "series": series(result),
     }
 
 
 def summary(sc: Scenario, reports: dict[str, dict]) -> dict:
     base = reports.get("sync", {}).get("metrics", {}).get("throughput/trained_samples_per_s")
+    base_tokens = reports.get("sync", {}).get("metrics", {}).get("throughput/trained_tokens_per_s")
     modes = {}
     for mode, rep in reports.items():
         m = rep["metrics"]
         row = {k: m[k] for k in SUMMARY_KEYS if k in m}
         thr = m["throughput/trained_samples_per_s"]
         row["speedup_vs_sync"] = thr / base if base else None
+        row["speedup_vs_sync_tokens"] = m["throughput/trained_tokens_per_s"] / base_tokens if base_tokens else None
         if rep["series"].get("faults"):
             row["faults"] = rep["series"]["faults"]
         modes[mode] = row

@@ -22,7 +22,8 @@ REQUIRED = [
     "util/rollout_busy", "util/trainer_busy", "util/gpu", "util/gpu_source",
     "staleness/mean", "staleness/token_mean", "staleness/max", "partial/ratio",
     "samples/produced", "samples/trained", "samples/dropped", "samples/in_flight", "samples/lost",
-    "bound/trained_samples_per_s", "bound/efficiency", "sim/wall_s",
+    "bound/trained_samples_per_s", "bound/trained_tokens_per_s", "bound/planned_trained_tokens_per_s",
+    "bound/efficiency", "samples/length_bias", "tokens/wasted", "tokens/wasted_share", "sim/wall_s",
 ]
 
 

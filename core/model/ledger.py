@@ -30,6 +30,7 @@ class Ledger:
         self.trained = 0
         self.trainings = 0
         self.dropped: Counter[str] = Counter()
+        self.wasted_tokens = 0  # response tokens generated for samples that were then dropped
         self._trained_mask = bytearray()
         # one entry per group training
         self.trained_log: list[tuple[int, int, int]] = []  # (prompt_id, generation version, train version)
@@ -59,6 +60,7 @@ class Ledger:
     def dropped_groups(self, groups: list[Group], reason: str) -> None:
         for g in groups:
             self.dropped[reason] += g.size
+            self.wasted_tokens += sum(s.n_response for s in g.samples)
 
     def trained_groups(self, groups: list[Group], version: int, now: float) -> None:
         mask = self._trained_mask

@@ -78,17 +78,38 @@ class Bound:
     version_bubble_s: float
     batch_per_engine: int
     limited_by: str
+    tokens_per_sample: float  # prompt + response tokens of the mean sample of the workload played out
+
+    @property
+    def trained_tokens_per_s(self) -> float:
+        return self.trained_samples_per_s * self.tokens_per_sample
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "trained_tokens_per_s": self.trained_tokens_per_s}
 
 
-def pipeline_bound(sc: Scenario, mode: str) -> Bound:
+def planned_lengths(sc: Scenario) -> np.ndarray:
+    """Response lengths of the workload a run plans, one row per group in prompt order."""
+    prompts = min(262144, max(1024, sc.trainer.steps * sc.trainer.batch_size // sc.workload.group_size))
+    return Workload(sc.workload, sc.seed).sample_lengths(prompts)
+
+
+def trained_lengths(sc: Scenario, prompt_ids) -> np.ndarray | None:
+    """Response lengths of the groups a run trained (each once, in prompt order); None if none."""
+    ids = np.unique(np.fromiter(prompt_ids, dtype=np.int64))
+    if not len(ids):
+        return None
+    return Workload(sc.workload, sc.seed).sample_lengths(int(ids[-1]) + 1)[ids]
+
+
+def pipeline_bound(sc: Scenario, mode: str, lengths: np.ndarray | None = None) -> Bound:
+    """The bound for the planned workload, or for ``lengths`` (groups x responses, in the order
+    they are admitted): a run that evicts or cannot finish long samples trains a shorter set,
+    whose own bound is higher; its efficiency is measured against that one."""
     place = Placement.of(sc, mode)
     _, lead = effective_staleness(sc, mode)
     w = sc.workload
-    prompts = min(262144, max(1024, sc.trainer.steps * sc.trainer.batch_size // w.group_size))
-    lengths = Workload(w, sc.seed).sample_lengths(prompts).astype(np.float64)
+    lengths = (planned_lengths(sc) if lengths is None else lengths).astype(np.float64)
     mean_l, mean_l2 = float(lengths.mean()), float((lengths**2).mean())
     p = float(w.prompt_tokens)
     window = sc.window  # fresh samples per version
@@ -133,7 +154,7 @@ def pipeline_bound(sc: Scenario, mode: str) -> Bound:
     return Bound(
         float(trained_window / window_s), float(trained_window / resource_s), float(rollout),
         float(1.0 / train_per_sample),
-        float(bubble), batch, limited,
+        float(bubble), batch, limited, float(mean_t),
     )
 
 
