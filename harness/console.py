@@ -205,3 +205,38 @@ def published_table(name: str, summary: dict) -> Table:
         off = f"{100 * (pred / pub['speedup_vs_sync'] - 1):+.0f}%" if pred else "-"
         t.add_row(label, mode, _fmt("speedup_vs_sync", pred), _fmt("speedup_vs_sync", pub["speedup_vs_sync"]), off, str(pub.get("source", "")))
     return t
+
+
+def sweep_table(name: str, mode: str, axes: list[tuple[str, str]], rows: list[dict], objective: str, best: dict | None) -> Table:
+    """One row per sweep point (``axes``: (name, column title)); the best one marked, refused and
+    failed points with their reason, points over a constraint with the constraint."""
+    shown = ("throughput/trained_samples_per_s", "throughput/trained_tokens_per_s")
+    titles = {"throughput/trained_samples_per_s": "trained/s", "throughput/trained_tokens_per_s": "tokens/s"}
+    extra = objective not in shown
+    t = Table(
+        title=f"{name}: sweep, {mode} mode ranked by {objective}", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+        caption="trained/s: trained samples/s; tokens/s: trained tokens/s; stale: max staleness; *: best under the constraints.",
+        caption_justify="left",
+    )
+    for _, title in axes:
+        t.add_column(title, no_wrap=True)
+    if extra:
+        t.add_column(objective, justify="right", no_wrap=True)
+    for key in shown:
+        t.add_column(titles[key] + (" (objective)" if key == objective else ""), justify="right", no_wrap=True)
+    for title in ("stale", "of bound", "GPUs", "status"):
+        t.add_column(title, justify="left" if title == "status" else "right", no_wrap=title != "status")
+    for row in rows:
+        m = row["metrics"]
+        cells = [row["values"][a] for a, _ in axes]
+        if row["status"] in ("refused", "failed"):
+            blank = len(shown) + 4 + extra - 1
+            t.add_row(*cells, *["-"] * blank, f"{row['status']}: {row['reason']}", style="dim")
+            continue
+        if extra:
+            cells.append(_fmt(objective, m.get(objective)))
+        cells += [_fmt(k, m.get(k)) for k in shown]
+        cells += [_fmt("staleness/max", m.get("staleness/max")), _fmt("bound/efficiency", m.get("bound/efficiency")), str(m.get("gpus"))]
+        status = "*best" if row is best else ("ok" if row["status"] == "ok" else f"violates {row['reason']}")
+        t.add_row(*cells, status, style="bold" if row is best else None)
+    return t

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -111,3 +112,48 @@ def reward_png(result: RunResult, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def grid_heatmap_png(
+    path: Path, title: str, rows: tuple[str, list[str]], columns: tuple[str, list[str]],
+    cells: list[list[tuple]], best: tuple[int, int] | None, note: str,
+) -> None:
+    """A grid of values, e.g. a sweep's objective over two axes. ``cells[r][c]`` is (value or
+    None, note): a note ("violates", "refused", "failed") greys the cell and is written in it."""
+    values = np.array([[v if v is not None and not n else np.nan for v, n in line] for line in cells], dtype=float)
+    fig, ax = plt.subplots(figsize=(1.5 + 1.25 * len(columns[1]), 1.4 + 0.6 * len(rows[1])))
+    ax.set_facecolor("#dddddd")
+    finite = values[np.isfinite(values)]
+    im = ax.imshow(values, cmap="viridis", aspect="auto", vmin=finite.min() if finite.size else 0, vmax=finite.max() if finite.size else 1)
+    top = finite.max() if finite.size else 0
+    for r, line in enumerate(cells):
+        for c, (v, n) in enumerate(line):
+            text = "-" if v is None else _compact(v)
+            if n:
+                text = f"{text}\n{n}" if v is not None else n
+            light = np.isfinite(values[r, c]) and values[r, c] < 0.6 * top + 0.4 * (finite.min() if finite.size else 0)
+            ax.text(c, r, text, ha="center", va="center", fontsize=8, color="white" if light else "black")
+    if best is not None:
+        r, c = best
+        ax.add_patch(plt.Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="#e63946", linewidth=3))
+    ax.set_xticks(range(len(columns[1])), columns[1], fontsize=8)
+    ax.set_yticks(range(len(rows[1])), rows[1], fontsize=8)
+    ax.set_xlabel(columns[0], fontsize=9)
+    ax.set_ylabel(rows[0], fontsize=9)
+    ax.set_title(title, fontsize=9, loc="left")
+    fig.colorbar(im, ax=ax, fraction=0.04)
+    fig.text(0.01, 0.01, note, fontsize=7)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _compact(v: float) -> str:
+    a = abs(v)
+    if a >= 1e6:
+        return f"{v / 1e6:.2f}M"
+    if a >= 1e4:
+        return f"{v / 1e3:.1f}k"
+    if a >= 100:
+        return f"{v:.0f}"
+    return f"{v:.3g}"

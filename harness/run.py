@@ -6,7 +6,8 @@ workload and seed, and writes ``DIR/<mode>/report.json``, ``DIR/<mode>/timeline.
 and ``DIR/summary.json``. With checkpoints on (``checkpoint.every``), the run directory
 is written in place and a run that stopped resumes from its latest checkpoints with
 ``--resume``. Exit code 2 and one line on stderr for bad input (scenario, --set, run
-directory, checkpoint), with nothing written.
+directory, checkpoint), with nothing written. A file with a ``sweep:`` section runs its grid
+instead (harness/sweep.py, docs/sweeps.md).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from harness.gpu_sampler import NvmlSampler
 from harness.plots import reward_png, timeline_png
 from harness.profiler import Profiler
 from harness.scenario import ScenarioError, Variant, load_resolved, load_variants
+from harness.sweep import has_sweep
+from harness.sweep import main as run_sweep
 
 SCENARIO_FILE = "scenario.json"  # the resolved scenario of a run written in place (resumable)
 
@@ -63,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         console = Console(width=160)
     err = Console(stderr=True)
     logging.basicConfig(level=logging.WARNING, handlers=[RichHandler(console=err, show_path=False)], format="%(message)s")
+    if args.scenario is not None and has_sweep(args.scenario):
+        return run_sweep(args, console, err)  # a grid of runs, ranked: harness/sweep.py
     try:
         if args.resume is not None:
             variants, out, done = _resumable(args)

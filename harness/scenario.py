@@ -166,6 +166,8 @@ def load_variants(path: str | Path, overrides: list[str] = ()) -> list[Variant]:
     path = Path(path)
     data = _read(path)
     sets = _parse_sets(list(overrides))
+    if "sweep" in data:
+        raise ScenarioError(f"{path}: holds a sweep, a grid of scenarios; fix: run it with python -m harness.run, or load it with harness.sweep.load_sweep")
     variants = data.pop("variants", None)
     origin = {"": str(path)}
     if variants is None:

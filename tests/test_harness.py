@@ -11,6 +11,7 @@ import pytest
 from harness.metrics import WALL_CLOCK_KEYS
 from harness.run import main
 from harness.scenario import ScenarioError, load, load_variants
+from harness.sweep import has_sweep, load_sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = str(ROOT / "scenarios" / "quickstart.yaml")
@@ -134,8 +135,9 @@ def test_missing_file_names_it(tmp_path):
 
 def test_every_shipped_scenario_validates():
     for path in sorted((ROOT / "scenarios").glob("*.yaml")):
-        for v in load_variants(path):
-            assert v.scenario.name == path.stem, f"{path.name}: name should match the file"
+        scenarios = [p.scenario for p in load_sweep(path).points] if has_sweep(path) else [v.scenario for v in load_variants(path)]
+        for sc in scenarios:
+            assert sc is None or sc.name == path.stem, f"{path.name}: name should match the file"
         header = path.read_text().splitlines()[0]
         assert header.startswith("#"), f"{path.name} must open with a comment saying what it models"
 
