@@ -36,6 +36,7 @@ from harness.gpu_sampler import NvmlSampler
 from harness.plots import reward_png, timeline_png
 from harness.profiler import Profiler
 from harness.scenario import ScenarioError, Variant, load_resolved, load_variants
+from harness.spans import calibration_spans
 from harness.sweep import has_sweep
 from harness.sweep import main as run_sweep
 
@@ -232,6 +233,9 @@ def _run_modes(
             rep = report.build(sc, result, env, gpu.summary())
             reports[mode] = rep
             report.write_json(where / mode / "report.json", rep)
+            spans = calibration_spans(result)
+            if spans is not None:  # a real run: what harness.calibrate fits
+                report.write_json(where / mode / "spans.json", spans)
             if sc.report.timeline and plots:
                 timeline_png(result, where / mode / "timeline.png", sc.report.timeline_rows)
                 if result.trainer.step_info and "reward_mean" in result.trainer.step_info[0]:

@@ -12,6 +12,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from core.model.length_file import LengthFileError, read_lengths
+
 Mode = Literal["sync", "async", "partial"]
 MODES: tuple[str, ...] = ("sync", "async", "partial")
 
@@ -100,6 +102,20 @@ class WorkloadSpec(_Frozen):
     """Share of the log-length variance that belongs to the prompt (hard prompts make every response long)."""
     max_response_len: int = Field(28672, ge=1)
     """Hard cap on response tokens (verl fully-async table: max_response_length 28K)."""
+    lengths: Optional[str] = None
+    """A file of response lengths the sim draws from instead of the lognormal: a JSON/YAML list
+    (e.g. a real run's, written by harness.calibrate), a {length: count} histogram or
+    {edges, counts}; relative to the working directory. Drawn through the same normal per
+    response as the lognormal, so prompt_share still correlates a group. None: the lognormal."""
+
+    @model_validator(mode="after")
+    def _lengths_file(self) -> "WorkloadSpec":
+        if self.lengths is not None:
+            try:
+                read_lengths(self.lengths)
+            except LengthFileError as exc:
+                raise ConfigError("workload.lengths", self.lengths, str(exc), "give a JSON/YAML list of lengths, a {length: count} histogram or {edges, counts}") from None
+        return self
 
 
 class RolloutSpec(_Frozen):
@@ -401,6 +417,36 @@ class ReportSpec(_Frozen):
     """Rollout rows drawn at most; larger fleets show an evenly spaced subset."""
 
 
+class CalibratedSpec(_Frozen):
+    """Cost coefficients measured on a real run (written by ``python -m harness.calibrate``);
+    when set they replace the roofline terms of the sim's cost model (core/sim/costs.py).
+    Read by: the sim runtime only."""
+
+    source: str = ""
+    """Where the coefficients were fitted from (run directory and mode)."""
+    decode_overhead_s: float = Field(ge=0)
+    """Seconds of one engine step whatever its batch (fitted)."""
+    decode_per_seq_s: float = Field(ge=0)
+    """Seconds per running sequence in one engine step (fitted)."""
+    decode_kv_s_per_token: float = Field(ge=0)
+    """Seconds per context token held by the running batch, per engine step (fitted)."""
+    prefill_s_per_token: float = Field(ge=0)
+    """Seconds per prefilled token (fitted)."""
+    train_overhead_s: float = Field(ge=0)
+    """Seconds of one trainer step whatever its batch (fitted)."""
+    train_s_per_token: float = Field(ge=0)
+    """Trainer seconds per trained token (prompt + response) on ``train_devices`` devices (fitted)."""
+    train_s_per_token_sq: float = Field(ge=0)
+    """Trainer seconds per squared sequence length (attention) on ``train_devices`` devices (fitted)."""
+    train_devices: int = Field(ge=1)
+    """Devices the trainer ran on where it was measured."""
+    train_speedup: dict[int, float] = {}
+    """Measured speed of the trainer's per-token work on n devices relative to ``train_devices``
+    ({n: speed}); a device count not listed scales linearly (the roofline's assumption)."""
+    transfer_s: float = Field(ge=0)
+    """Seconds from rollout paused to resumed at a weight sync (measured mean)."""
+
+
 class Scenario(_Frozen):
     """One workload on one set of resources, run in one or more modes with one seed."""
 
@@ -434,6 +480,8 @@ class Scenario(_Frozen):
     """The accelerator."""
     sync: SyncSpec = SyncSpec()
     """Weight sync costs."""
+    calibrated: Optional[CalibratedSpec] = None
+    """Measured cost coefficients that replace the roofline terms (harness.calibrate); None: the roofline."""
     # What only the real runtimes (local, ray) read.
     engine: EngineSpec = EngineSpec()
     """The rollout engine."""

@@ -26,10 +26,13 @@ class EngineCounters:
     tokens_generated: int
     prefill_tokens: int
     restarts: int = 0  # times its supervisor brought it back
+    step_spans: Optional[dict] = None  # a real engine's per-step rows, for calibration (harness/calibrate.py)
 
     @classmethod
     def of(cls, engine, restarts: int = 0) -> "EngineCounters":
-        return cls(engine.name, engine.busy_s, engine.seq_s, engine.tokens_generated, engine.prefill_tokens, restarts)
+        spans = getattr(engine, "step_spans", None)
+        spans = spans() if callable(spans) else spans
+        return cls(engine.name, engine.busy_s, engine.seq_s, engine.tokens_generated, engine.prefill_tokens, restarts, spans)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,9 @@ class EngineMeter:
         self.seq_s = 0.0
         self._t = 0.0  # time the counters were last advanced to
         self._busy_since: Optional[float] = None
+        # For calibration (harness/calibrate.py): one row per engine step, appended as it ends.
+        self.decode_steps: list[tuple[int, int, float]] = []  # (running, context tokens held, seconds)
+        self.prefills: list[tuple[int, float]] = []  # (tokens prefilled, seconds)
 
     def _advance(self, now: float) -> None:
         if self._live and now > self._t:
@@ -49,6 +52,10 @@ class EngineMeter:
         if finished:
             sample.finished = True
             sample.finished_at = now
+
+    def step_spans(self) -> dict:
+        """What calibration fits the decode and prefill costs to."""
+        return {"decode": self.decode_steps, "prefill": self.prefills}
 
     def state(self) -> dict:
         """The counters, for a whole-run checkpoint (taken while rollout is paused)."""

@@ -195,6 +195,7 @@ class TorchEngine(EngineMeter):
         loop = asyncio.get_running_loop()
         try:
             while True:
+                t0 = loop.time()
                 self._drop_done()
                 room = self.max_num_seqs - len(self._rows)
                 if self._waiting and room > 0:
@@ -203,12 +204,17 @@ class TorchEngine(EngineMeter):
                     for req in new:
                         if req.sample.started_at != req.sample.started_at:  # NaN: first time scheduled
                             req.sample.started_at = now
+                    before = self.prefill_tokens
                     toks, lps = await asyncio.to_thread(self._prefill, new)
                     self._accept(new, toks, lps)
+                    # The whole iteration, bookkeeping included: what the next step waits for.
+                    self.prefills.append((self.prefill_tokens - before, loop.time() - t0))
                 elif self._rows:
                     rows = list(self._rows)
+                    context = int(self._pos.sum())
                     toks, lps = await asyncio.to_thread(self._decode)
                     self._accept(rows, toks, lps)
+                    self.decode_steps.append((len(rows), context, loop.time() - t0))
                 else:
                     return
         except Exception as exc:

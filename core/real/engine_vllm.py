@@ -34,11 +34,12 @@ VLLM_ENV_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SP
 
 
 class _Request:
-    __slots__ = ("id", "sample", "tokens", "logprobs", "task", "done")
+    __slots__ = ("id", "sample", "ctx", "tokens", "logprobs", "task", "done")
 
-    def __init__(self, rid: str, sample: Sample) -> None:
+    def __init__(self, rid: str, sample: Sample, ctx: int = 0) -> None:
         self.id = rid
         self.sample = sample
+        self.ctx = ctx  # context tokens when submitted
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.task: Optional[asyncio.Task] = None
@@ -83,6 +84,8 @@ class VllmEngine(EngineMeter):
         self._tied = False
         self._ids = itertools.count()
         self._live: dict[str, _Request] = {}
+        # One row per engine step, for calibration: (time, running, context held, prompt tokens, generated tokens).
+        self.iterations: list[tuple[float, int, int, int, int]] = []
 
     # -- protocol ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -92,6 +95,22 @@ class VllmEngine(EngineMeter):
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gb)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        engine = self
+
+        class _StepLog(StatLoggerBase):
+            """vLLM calls ``record`` once per engine step's outputs: the only per-step view
+            of its scheduler that the engine core (in its own process) gives."""
+
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+                engine._on_iteration(scheduler_stats, iteration_stats)
+
+            def log_engine_initialized(self) -> None:
+                pass
 
         kwargs: dict[str, Any] = dict(
             model=str(self.model_dir),
@@ -107,7 +126,7 @@ class VllmEngine(EngineMeter):
             kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
             if self.kv_cache_gb is not None:
                 kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_gb * 2**30)
-        self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs, disable_log_stats=True), stat_loggers=[_StepLog])
         hf_config = self._engine.model_config.hf_config
         self._tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         eos = hf_config.eos_token_id
@@ -128,7 +147,7 @@ class VllmEngine(EngineMeter):
                 s.finished = True
                 s.finished_at = now
                 continue
-            req = _Request(f"{self.name}-{next(self._ids)}", s)
+            req = _Request(f"{self.name}-{next(self._ids)}", s, len(context))
             req.task = asyncio.create_task(self._stream(req, context, want), name=req.id)
             reqs.append(req)
         if not reqs:
@@ -226,6 +245,23 @@ class VllmEngine(EngineMeter):
         return False
 
     # -- bookkeeping -------------------------------------------------------------------------------
+    def _on_iteration(self, sched: Any, it: Any) -> None:
+        if it is None:
+            return
+        running = sched.num_running_reqs if sched is not None else len(self._live)
+        context = sum(r.ctx + len(r.tokens) for r in self._live.values())
+        self.iterations.append((it.iteration_timestamp, running, context, it.num_prompt_tokens, it.num_generation_tokens))
+
+    def step_spans(self) -> dict:
+        """vLLM mixes prefill into decode steps (chunked prefill): each step is one row
+        (running, context held, prompt tokens, seconds), its time the gap since the previous
+        step's outputs while requests were running (a gap after an idle engine is dropped)."""
+        steps = []
+        for (t0, run0, _, _, _), (t1, run1, ctx, prompt, _) in zip(self.iterations, self.iterations[1:]):
+            if run0 > 0:
+                steps.append((run1, ctx, prompt, t1 - t0))
+        return {"steps": steps}
+
     def _release(self, req: _Request, finished: bool) -> None:
         now = asyncio.get_running_loop().time()
         self._advance(now)

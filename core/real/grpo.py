@@ -324,5 +324,10 @@ class TorchTrainBackend:
             "response_tokens": int(acc["ntok"]),
             "flops": flops,
             "compute_s": dt,
+            # For calibration (harness/calibrate.py): what the step's cost and the lengths depend on.
+            "tokens_sq": tokens_sq,
+            "threads": self.threads,
+            "response_lens": [s.n_response for g in groups for s in g.samples],
+            "prompt_lens": [s.n_prompt for g in groups for s in g.samples],
             "version": version,
         }

@@ -167,6 +167,7 @@ class EngineHost:
             "tokens_generated": e.tokens_generated,
             "prefill_tokens": e.prefill_tokens,
             "spans": dict(self.timeline.spans),
+            "step_spans": e.step_spans(),
         }
 
     def now(self) -> float:

@@ -51,6 +51,13 @@ class DecodeCost:
         self.kv_s_per_token = self.kv_bytes_per_token / bw
         self._attn = 2.0 * m.layers * m.hidden
         self._prefill_flops = flops * r.prefill_mfu
+        # Calibrated (harness/calibrate.py): measured coefficients replace the roofline terms.
+        cal = sc.calibrated
+        self.prefill_s_per_token = None if cal is None else cal.prefill_s_per_token
+        if cal is not None:
+            self.overhead_s, self.weights_s, self.per_seq_compute_s = cal.decode_overhead_s, 0.0, cal.decode_per_seq_s
+            self.allreduce_fixed_s = self.allreduce_per_seq_s = 0.0
+            self.kv_s_per_token = cal.decode_kv_s_per_token
 
     def base_s(self, running: int) -> float:
         """The part of a step that does not grow with context."""
@@ -70,6 +77,8 @@ class DecodeCost:
         new = end - start
         if new <= 0:
             return 0.0
+        if self.prefill_s_per_token is not None:  # calibrated
+            return new * self.prefill_s_per_token
         flops_s = (2.0 * self.params * new + self._attn * (end * end - start * start)) / self._prefill_flops
         return flops_s + self.allreduce_fixed_s + new * self.allreduce_per_seq_s
 
@@ -93,6 +102,13 @@ class TrainCost:
         mfu = t.colocated_mfu if colocated and t.colocated_mfu is not None else t.mfu
         self.flops = self.peak_flops * mfu
         self.overhead_s = t.step_overhead_s
+        # Calibrated (harness/calibrate.py): measured seconds per token and per squared length,
+        # scaled from the devices they were measured on by the measured (else linear) speed-up.
+        self.calibrated = sc.calibrated
+        if self.calibrated is not None:
+            cal = self.calibrated
+            self.overhead_s = cal.train_overhead_s
+            self.calibrated_scale = 1.0 / cal.train_speedup.get(gpus, gpus / cal.train_devices)
 
     def sample_flops(self, tokens: float, tokens_sq: float) -> float:
         """FLOPs of training on sequences with sum of lengths ``tokens`` and sum of squares ``tokens_sq``."""
@@ -103,6 +119,9 @@ class TrainCost:
         return self.sample_flops(tokens, tokens_sq) * self.model_passes / self.passes
 
     def step_s(self, tokens: float, tokens_sq: float) -> float:
+        if self.calibrated is not None:
+            cal = self.calibrated
+            return self.overhead_s + (cal.train_s_per_token * tokens + cal.train_s_per_token_sq * tokens_sq) * self.calibrated_scale
         return self.overhead_s + self.sample_flops(tokens, tokens_sq) / self.flops
 
 
@@ -116,6 +135,8 @@ class TransferCost:
         self.switch_s = colocated_switch_s(sc) if colocated else 0.0
         self.latency_s = s.latency_s + self.switch_s
         self.bandwidth = (s.colocated_bandwidth_gb_s if colocated else s.bandwidth_gb_s) * 1e9
+        if sc.calibrated is not None:  # measured (harness/calibrate.py): the whole pause, whatever the bytes
+            self.switch_s, self.latency_s, self.bandwidth = 0.0, sc.calibrated.transfer_s, float("inf")
 
     def seconds(self) -> float:
         return self.latency_s + self.bytes / self.bandwidth

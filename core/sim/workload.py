@@ -6,20 +6,29 @@ mode of a scenario sees exactly the same workload.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from core.model.config import WorkloadSpec
+from core.model.length_file import read_lengths
 
 _BLOCK = 1024
 
 
+_PHI = np.frompyfunc(lambda z: 0.5 * math.erfc(-z / math.sqrt(2.0)), 1, 1)
+
+
 class Workload:
-    """Deterministic response lengths: lognormal with a per-prompt component, clipped."""
+    """Deterministic response lengths: lognormal with a per-prompt component, clipped; or,
+    with ``workload.lengths``, the file's distribution drawn through the same normals (its
+    quantile at Phi(z)), so a group's lengths stay correlated as ``prompt_share`` says."""
 
     def __init__(self, spec: WorkloadSpec, seed: int) -> None:
         self.spec = spec
         self.seed = seed
         self._blocks: dict[int, np.ndarray] = {}
+        self._empirical = read_lengths(spec.lengths) if spec.lengths is not None else None
 
     def _block(self, b: int) -> np.ndarray:
         s = self.spec
@@ -27,7 +36,10 @@ class Workload:
         z_prompt = rng.standard_normal((_BLOCK, 1))
         z_resp = rng.standard_normal((_BLOCK, s.group_size))
         z = np.sqrt(s.prompt_share) * z_prompt + np.sqrt(1.0 - s.prompt_share) * z_resp
-        lengths = np.rint(s.response_median * np.exp(s.response_sigma * z))
+        if self._empirical is not None:
+            lengths = np.rint(self._empirical.at(_PHI(z).astype(np.float64)))
+        else:
+            lengths = np.rint(s.response_median * np.exp(s.response_sigma * z))
         return np.clip(lengths, 1, s.max_response_len).astype(np.int64)
 
     def response_lengths(self, prompt_id: int) -> np.ndarray:

@@ -1,0 +1,336 @@
+"""``python -m harness.calibrate RUN_DIR [--mode sync] [-o SCENARIO.yaml] [--predict]``
+``python -m harness.calibrate PHASES.yaml``
+
+Fits the sim's cost model to one mode of a real run (its ``<mode>/spans.json``) by least
+squares, and writes a runnable sim scenario with the run's workload shape, the fitted costs
+(``calibrated:``) and the trained response lengths (``workload.lengths``, a file next to it):
+
+  engine step  = overhead + per_seq * running + kv * context held (+ per prompt token, vLLM)
+  prefill      = per_token * tokens (torch engine: prefill is its own step)
+  trainer step = overhead + a * tokens + b * sum of squared lengths
+  transfer     = mean of rollout paused -> resumed at a sync
+
+``--predict`` runs the written scenario on the sim and prints, for every mode the run
+directory holds, the measured and predicted throughput and step time; modes other than
+``--mode`` are held out: nothing is fitted to them. Given a YAML file of published phase
+times instead of a run directory, ``core.sim.phase_fit.fit_phases`` turns it into cost
+changes. Exit code 2 and one line on stderr for bad input, before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from core.model.config import ConfigError, Scenario
+from core.runtimes.sim import run_sim
+from harness import report
+from harness.spans import SCHEMA
+
+# The sections of a real run's scenario that a sim run does not read.
+_REAL_ONLY = ("engine", "tiny_model", "task", "learn", "eval", "ray", "reward")
+_COMPARED = ("throughput/trained_samples_per_s", "throughput/trained_tokens_per_s", "latency/step_mean_s")
+
+
+class CalibrationError(ValueError):
+    """Bad input: the one line the CLI prints."""
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Least-squares coefficients (non-negative) of ``y ~ X``, with how well they fit."""
+
+    names: tuple[str, ...]
+    coef: tuple[float, ...]
+    r2: float
+    rmse: float  # root-mean-square residual, in y's unit
+    n: int
+    mean_y: float
+
+    def __getitem__(self, name: str) -> float:
+        return self.coef[self.names.index(name)]
+
+
+def nnls(X: np.ndarray, y: np.ndarray, names: tuple[str, ...]) -> Fit:
+    """Least squares with every coefficient >= 0 (a cost term cannot be negative): a column
+    whose coefficient comes out negative is dropped (set to 0) and the rest refitted."""
+    X, y = np.asarray(X, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if X.ndim != 2 or X.shape[0] != y.shape[0] or X.shape[0] == 0:
+        raise CalibrationError(f"cannot fit {', '.join(names)}: no rows")
+    active = list(range(X.shape[1]))
+    coef = np.zeros(X.shape[1])
+    while active:
+        # Columns scaled to unit norm so that tokens and tokens^2 are solved on equal footing.
+        cols = X[:, active]
+        scale = np.linalg.norm(cols, axis=0)
+        scale[scale == 0] = 1.0
+        c, *_ = np.linalg.lstsq(cols / scale, y, rcond=None)
+        c = c / scale
+        if np.all(c >= 0):
+            coef[:] = 0.0
+            coef[active] = c
+            break
+        active.pop(int(np.argmin(c)))
+    resid = y - X @ coef
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    r2 = 1.0 - float((resid**2).sum()) / ss_tot if ss_tot > 0 else 1.0
+    return Fit(names, tuple(float(c) for c in coef), r2, float(np.sqrt((resid**2).mean())), len(y), float(y.mean()))
+
+
+@dataclass(frozen=True)
+class Calibration:
+    decode: Fit
+    prefill: Optional[Fit]  # None when the engine's steps mix prefill in (vLLM)
+    train: Fit
+    transfer_s: float
+    transfer_n: int
+    train_devices: int
+    response_lens: list
+    prompt_tokens: int
+    prompt_share: float
+
+    def calibrated(self, source: str, speedup: dict[int, float]) -> dict:
+        """The scenario's ``calibrated:`` section."""
+        d, t = self.decode, self.train
+        per_token = self.prefill["tokens"] if self.prefill is not None else d["prompt_tokens"]
+        return {
+            "source": source,
+            "decode_overhead_s": d["1"],
+            "decode_per_seq_s": d["running"],
+            "decode_kv_s_per_token": d["context"],
+            "prefill_s_per_token": per_token,
+            "train_overhead_s": t["1"],
+            "train_s_per_token": t["tokens"],
+            "train_s_per_token_sq": t["tokens_sq"],
+            "train_devices": self.train_devices,
+            "train_speedup": dict(speedup),
+            "transfer_s": self.transfer_s,
+        }
+
+
+def fit_spans(spans: dict) -> Calibration:
+    """The cost model's coefficients from one mode's spans (``harness.spans``)."""
+    decode, prefill, mixed = [], [], []
+    for rows in spans["engines"].values():
+        decode += rows.get("decode", [])
+        prefill += rows.get("prefill", [])
+        mixed += rows.get("steps", [])
+    if mixed:
+        m = np.asarray(mixed, dtype=np.float64)
+        X = np.column_stack([np.ones(len(m)), m[:, 0], m[:, 1], m[:, 2]])
+        dfit = nnls(X, m[:, 3], ("1", "running", "context", "prompt_tokens"))
+        pfit = None
+    else:
+        if not decode:
+            raise CalibrationError("no engine step was recorded; fix: calibrate from a real run's sync mode")
+        d = np.asarray(decode, dtype=np.float64)
+        dfit = nnls(np.column_stack([np.ones(len(d)), d[:, 0], d[:, 1]]), d[:, 2], ("1", "running", "context"))
+        if not prefill:
+            raise CalibrationError("no prefill was recorded; fix: calibrate from a run that generated")
+        p = np.asarray(prefill, dtype=np.float64)
+        pfit = nnls(p[:, :1], p[:, 1], ("tokens",))
+    if not spans["train"]:
+        raise CalibrationError("no trainer step was recorded; fix: calibrate from a run that trained")
+    t = np.asarray(spans["train"], dtype=np.float64)
+    tfit = nnls(np.column_stack([np.ones(len(t)), t[:, 0], t[:, 1]]), t[:, 2], ("1", "tokens", "tokens_sq"))
+    transfer = [x for x in spans["transfer_s"] if x >= 0]
+    lens = [int(n) for n in spans["response_lens"]]
+    if not lens:
+        raise CalibrationError("no trained response length was recorded; fix: calibrate from a run of this version")
+    prompts = spans["prompt_lens"]
+    group = spans["scenario"]["workload"]["group_size"]
+    return Calibration(
+        dfit, pfit, tfit, float(np.mean(transfer)) if transfer else 0.0, len(transfer),
+        int(spans["placement"]["trainer_gpus"]), lens,
+        max(1, round(float(np.mean(prompts)))) if prompts else spans["scenario"]["workload"]["prompt_tokens"],
+        prompt_share(lens, group),
+    )
+
+
+def prompt_share(lens: list, group_size: int) -> float:
+    """Share of the log-length variance between groups (one-way ICC of log lengths, groups
+    of ``group_size`` in training order): the workload's ``prompt_share``."""
+    x = np.log(np.maximum(np.asarray(lens, dtype=np.float64), 1.0))
+    k = len(x) // group_size
+    if k < 2 or group_size < 2:
+        return 0.0
+    g = x[: k * group_size].reshape(k, group_size)
+    msb = group_size * g.mean(axis=1).var(ddof=1)
+    msw = g.var(axis=1, ddof=1).mean()
+    denom = msb + (group_size - 1) * msw
+    return float(min(1.0, max(0.0, (msb - msw) / denom))) if denom > 0 else 0.0
+
+
+def sim_scenario(spans: dict, cal: Calibration, lengths_path: str, source: str, speedup: dict[int, float]) -> dict:
+    """A runnable sim scenario: the run's workload shape, its modes, the fitted costs."""
+    real = Scenario.model_validate(spans["scenario"])
+    out = real.model_dump(mode="json", exclude_defaults=True)
+    for key in _REAL_ONLY:
+        out.pop(key, None)
+    out["name"] = f"{real.name}-calibrated"
+    out["runtime"] = "sim"
+    out["modes"] = list(real.modes)
+    wl = out.setdefault("workload", {})
+    wl["lengths"] = lengths_path
+    wl["prompt_tokens"] = cal.prompt_tokens
+    wl["prompt_share"] = round(cal.prompt_share, 4)
+    out["calibrated"] = cal.calibrated(source, speedup)
+    Scenario.model_validate(out)  # what is written runs
+    return out
+
+
+def load_spans(run_dir: Path, mode: str) -> dict:
+    if not run_dir.is_dir():
+        raise CalibrationError(f"{run_dir}: no such directory; fix: pass a run directory written by harness.run")
+    path = run_dir / mode / "spans.json"
+    if not path.is_file():
+        have = sorted(p.parent.name for p in run_dir.glob("*/spans.json"))
+        hint = f"modes with spans: {', '.join(have)}" if have else "only real runs (local, ray) write spans.json"
+        raise CalibrationError(f"{path}: missing ({hint}); fix: run the scenario with harness.run on a real runtime")
+    try:
+        spans = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CalibrationError(f"{path}: unreadable ({type(exc).__name__}); fix: run the scenario again") from None
+    if not isinstance(spans, dict) or spans.get("schema") != SCHEMA:
+        raise CalibrationError(f"{path}: not a spans file of schema {SCHEMA}; fix: run the scenario again with this version")
+    return spans
+
+
+def parse_speedup(items: list[str]) -> dict[int, float]:
+    out = {}
+    for item in items:
+        n, _, s = item.partition("=")
+        try:
+            out[int(n)] = float(s)
+        except ValueError:
+            raise CalibrationError(f"--train-speedup {item}: expected DEVICES=SPEED such as 1=0.55; fix: give it that way") from None
+        if out[int(n)] <= 0 or int(n) < 1:
+            raise CalibrationError(f"--train-speedup {item}: devices >= 1 and speed > 0; fix: give positive numbers")
+    return out
+
+
+def fit_table(cal: Calibration) -> Table:
+    t = Table(title="calibration: least-squares fit (coefficients >= 0)")
+    for col in ("cost", "coefficients", "R²", "rms residual", "mean", "rows"):
+        t.add_column(col, justify="left" if col in ("cost", "coefficients") else "right")
+
+    def row(name: str, f: Fit) -> None:
+        coefs = ", ".join(f"{n}: {c:.4g}" for n, c in zip(f.names, f.coef))
+        t.add_row(name, coefs, f"{f.r2:.3f}", f"{f.rmse * 1e3:.2f} ms", f"{f.mean_y * 1e3:.2f} ms", str(f.n))
+
+    row("engine step (s)", cal.decode)
+    if cal.prefill is not None:
+        row("prefill (s)", cal.prefill)
+    row(f"trainer step (s, {cal.train_devices} dev)", cal.train)
+    t.add_row("transfer (s)", f"mean {cal.transfer_s:.4g}", "", "", "", str(cal.transfer_n))
+    lens = np.asarray(cal.response_lens)
+    t.add_row("response lengths", f"mean {lens.mean():.1f}, median {np.median(lens):.0f}, p99 {np.percentile(lens, 99):.0f}; "
+              f"prompt {cal.prompt_tokens} tokens, prompt_share {cal.prompt_share:.3f}", "", "", "", str(len(lens)))
+    return t
+
+
+def predict(run_dir: Path, scenario: Scenario, fitted_mode: str) -> list[dict]:
+    """Every mode the run holds: measured (its report.json) against the calibrated sim."""
+    rows = []
+    for mode in scenario.modes:
+        rep = run_dir / mode / "report.json"
+        if not rep.is_file():
+            continue
+        measured = json.loads(rep.read_text())["metrics"]
+        predicted = report.build(scenario, run_sim(scenario, mode), {})["metrics"]
+        row = {"mode": mode, "held_out": mode != fitted_mode}
+        for k in _COMPARED:
+            row[k] = (measured[k], predicted[k], predicted[k] / measured[k] - 1.0 if measured[k] else math.nan)
+        rows.append(row)
+    return rows
+
+
+def predict_table(rows: list[dict]) -> Table:
+    t = Table(title="measured (real run) vs predicted (calibrated sim)")
+    t.add_column("mode")
+    for k in _COMPARED:
+        t.add_column(k.split("/")[1], justify="right")
+    for r in rows:
+        cells = [f"{m:,.3g} / {p:,.3g} ({e:+.1%})" for m, p, e in (r[k] for k in _COMPARED)]
+        t.add_row(r["mode"] + (" (held out)" if r["held_out"] else " (fitted)"), *cells)
+    return t
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m harness.calibrate", description=__doc__.split("\n\n")[1])
+    p.add_argument("source", type=Path, help="a real run's directory, or a YAML file of published phase times")
+    p.add_argument("--mode", default="sync", help="the mode to fit (default sync); the others stay held out")
+    p.add_argument("-o", "--out", type=Path, help="scenario to write (default RUN_DIR/calibrated.yaml)")
+    p.add_argument("--train-speedup", action="append", default=[], metavar="DEVICES=SPEED",
+                   help="measured trainer speed on DEVICES devices relative to the fitted mode's (default: linear)")
+    p.add_argument("--predict", action="store_true", help="run the written scenario and compare with every mode of the run")
+    return p.parse_args(argv)
+
+
+def _phases(path: Path, console: Console) -> int:
+    try:
+        table = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise CalibrationError(f"{path}: not readable YAML ({type(exc).__name__}); fix: pass a YAML file of phase times") from None
+    try:
+        # core.sim.phase_fit is helper B's (issue 12); looked up here so this CLI works before it lands.
+        phase_fit = importlib.import_module("core.sim.phase_fit")
+    except ModuleNotFoundError:
+        raise CalibrationError(f"{path}: published phase times need core.sim.phase_fit, which is not in this version; fix: calibrate from a run directory") from None
+    changes, lines = phase_fit.fit_phases(table)
+    for line in lines:
+        console.print(line, highlight=False)
+    console.print(yaml.safe_dump(changes, sort_keys=False), highlight=False)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    console = Console()
+    err = Console(stderr=True)
+    try:
+        if args.source.is_file():
+            return _phases(args.source, console)
+        speedup = parse_speedup(args.train_speedup)
+        spans = load_spans(args.source, args.mode)
+        cal = fit_spans(spans)
+        out = args.out or args.source / "calibrated.yaml"
+        if out.exists() and out.is_dir():
+            raise CalibrationError(f"-o {out}: is a directory; fix: name a YAML file")
+        lengths_file = out.with_name(out.stem + ".lengths.json")
+        # Relative to the working directory, as every path of a scenario.
+        lengths_ref = os.path.relpath(lengths_file) if not lengths_file.is_absolute() else str(lengths_file)
+        source = f"{args.source} mode {args.mode}"
+        lengths_file.parent.mkdir(parents=True, exist_ok=True)
+        lengths_file.write_text(json.dumps(cal.response_lens) + "\n")
+        try:
+            scenario = sim_scenario(spans, cal, lengths_ref, source, speedup)
+        except (ConfigError, ValueError) as exc:
+            lengths_file.unlink(missing_ok=True)
+            raise CalibrationError(f"the fitted scenario does not validate: {str(exc).splitlines()[-1].strip()}") from None
+    except CalibrationError as exc:
+        err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        return 2
+    out.write_text(f"# Calibrated by: python -m harness.calibrate {args.source} --mode {args.mode}\n"
+                   + yaml.safe_dump(scenario, sort_keys=False))
+    console.print(fit_table(cal))
+    console.print(f"wrote {out} and {lengths_file}", highlight=False)
+    if args.predict:
+        console.print(predict_table(predict(args.source, Scenario.model_validate(scenario), args.mode)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
