@@ -66,6 +66,7 @@ def comparison_table(name: str, summary: dict) -> Table:
         title_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
+        collapse_padding=True,
         caption=(
             "Trained samples and tokens (prompt + response) per second; vs sync and of bound in tokens. "
             "GPU time: % of all GPU-seconds generating/training/syncing/idle. "
@@ -124,7 +125,11 @@ def honesty_lines(summary: dict) -> list[str]:
                 f"{100 * waste:.0f} % of the tokens it generated were thrown away "
                 f"({row.get('samples/dropped', 0):,} samples dropped)"
             )
-        out.append(f"{mode}: {' and '.join(parts)}; its samples/s overstates its speed, read tokens/s.")
+        if bias is not None and bias < LENGTH_BIAS_WARN:
+            tail = "its samples/s overstates its speed and its gradient favours short answers; read tokens/s"
+        else:
+            tail = "the GPU time that generated them bought nothing"
+        out.append(f"{mode}: {' and '.join(parts)}: {tail}.")
     return out
 
 

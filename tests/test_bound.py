@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from core.model.config import Scenario
 from core.runtimes.dispatch import run_mode
 from core.sim.bound import pipeline_bound
+from harness.console import honesty_lines
 from harness.metrics import bounds, collect
 
 
@@ -89,3 +90,14 @@ def test_sync_sits_far_below_its_bound_on_a_long_tail_and_partial_near_it():
         eff[mode] = s.ledger.trained / s.end_s / pipeline_bound(sc, mode).trained_samples_per_s
     assert eff["sync"] < 0.7
     assert eff["partial"] > 0.85
+
+
+def test_the_console_says_in_words_when_a_mode_trained_a_biased_set_or_wasted_tokens():
+    row = {"samples/length_bias": 0.75, "tokens/wasted_share": 0.35, "samples/dropped": 95216}
+    fair = {"samples/length_bias": 0.995, "tokens/wasted_share": 0.0, "samples/dropped": 0}
+    waste_only = {"samples/length_bias": 1.0, "tokens/wasted_share": 0.13, "samples/dropped": 3264}
+    lines = honesty_lines({"modes": {"sync": fair, "partial": row, "async": waste_only}})
+    assert len(lines) == 2
+    assert lines[0].startswith("partial:") and "25 % shorter" in lines[0] and "35 %" in lines[0] and "95,216" in lines[0]
+    assert "read tokens/s" in lines[0]
+    assert lines[1].startswith("async:") and "13 %" in lines[1] and "shorter" not in lines[1]
