@@ -31,14 +31,14 @@ from core.runtimes.ray import cluster
 from core.runtimes.run_checkpoint import load_run, scenario_digest
 from core.store.checkpoint import CheckpointError
 from harness import report
-from harness.console import ModeProgress, comparison_table, faults_table, published_table
+from harness.console import ModeProgress, comparison_table, faults_table, honesty_lines, implied_mfu_lines, published_table
 from harness.gpu_sampler import NvmlSampler
 from harness.plots import reward_png, timeline_png
 from harness.profiler import Profiler
 from harness.scenario import ScenarioError, Variant, load_resolved, load_variants
-from harness.spans import calibration_spans
 from harness.sweep import has_sweep
 from harness.sweep import main as run_sweep
+from harness.spans import calibration_spans
 
 SCENARIO_FILE = "scenario.json"  # the resolved scenario of a run written in place (resumable)
 
@@ -125,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     for v in variants:
         title = f"{v.scenario.name} {v.label}" if v.label else v.scenario.name
         console.print(comparison_table(title, summaries[v.label]))
+        for line in honesty_lines(summaries[v.label]):
+            console.print(f"[yellow]{line}[/]", highlight=False)
+        for line in implied_mfu_lines(summaries[v.label]):
+            console.print(f"[yellow]{line}[/]", highlight=False)
         table = faults_table(title, summaries[v.label])
         if table is not None:
             console.print(table)
