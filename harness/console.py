@@ -216,11 +216,11 @@ def sweep_table(name: str, mode: str, axes: list[tuple[str, str]], rows: list[di
     """One row per sweep point (``axes``: (name, column title)); the best one marked, refused and
     failed points with their reason, points over a constraint with the constraint."""
     shown = ("throughput/trained_samples_per_s", "throughput/trained_tokens_per_s")
-    titles = {"throughput/trained_samples_per_s": "trained/s", "throughput/trained_tokens_per_s": "tokens/s"}
+    titles = {"throughput/trained_samples_per_s": "samples/s", "throughput/trained_tokens_per_s": "tokens/s"}
     extra = objective not in shown
     t = Table(
         title=f"{name}: sweep, {mode} mode ranked by {objective}", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
-        caption="trained/s: trained samples/s; tokens/s: trained tokens/s; stale: max staleness; *: best under the constraints.",
+        caption="samples/s, tokens/s: trained samples and tokens per second; stale: max staleness; *: best under the constraints.",
         caption_justify="left",
     )
     for _, title in axes:

@@ -312,7 +312,9 @@ def check_keys(sweep: Sweep, metrics: dict) -> None:
 
 def run_point(sc: Scenario, where: str, env: dict) -> dict:
     """One grid point, in a worker process: every mode as harness.run runs it (no plots);
-    writes ``<where>/<mode>/report.json`` and ``<where>/summary.json``; returns each mode's metrics."""
+    writes ``<where>/<mode>/report.json`` and ``<where>/summary.json``; returns each mode's
+    metrics and the CPU seconds the point took."""
+    cpu = time.process_time()
     out = Path(where)
     reports = {}
     for mode in sc.modes:
@@ -321,12 +323,12 @@ def run_point(sc: Scenario, where: str, env: dict) -> dict:
         report.write_json(out / mode / "report.json", rep)
         reports[mode] = rep
     report.write_json(out / "summary.json", report.summary(sc, reports))
-    return {mode: rep["metrics"] for mode, rep in reports.items()}
+    return {"modes": {mode: rep["metrics"] for mode, rep in reports.items()}, "cpu_s": time.process_time() - cpu}
 
 
 def run_points(sweep: Sweep, root: Path, env: dict, on_done=None) -> dict[int, dict]:
     """Run every runnable point, ``sweep.workers`` at a time in spawned processes (one worker:
-    in this process). Returns index -> {mode: metrics}, or {"error": text} for a point whose run raised."""
+    in this process). Returns index -> run_point's answer, or {"error": text} for a point whose run raised."""
     todo = [p for p in sweep.points if p.scenario is not None]
     results: dict[int, dict] = {}
     workers = min(sweep.workers, len(todo))
@@ -371,7 +373,8 @@ def rank(sweep: Sweep, results: dict[int, dict]) -> tuple[list[dict], Optional[d
         if "error" in got:
             row.update(status="failed", reason=got["error"])
             continue
-        m = got[sweep.mode]
+        m = got["modes"][sweep.mode]
+        row["cpu_s"] = got.get("cpu_s")
         shown = {k: m.get(k) for k in (sweep.objective, *TABLE_KEYS)}
         shown["gpus"] = Placement.of(p.scenario, sweep.mode).total_gpus
         for c in sweep.constraints:
@@ -468,7 +471,8 @@ def main(args, console: Console, err: Console) -> int:
             results = run_points(sweep, staging / "points", env, on_done=lambda p: progress.advance(task))
         t2 = time.perf_counter()
         rows, best = rank(sweep, results)
-        timing = {"workers": workers, "points_wall_s": t2 - t1, "wall_s": None}
+        cpu = [r["cpu_s"] for r in rows if r.get("cpu_s")]
+        timing = {"workers": workers, "points_wall_s": t2 - t1, "points_cpu_s": sum(cpu), "wall_s": None}
         files = ["sweep.json", "points/<label>/<mode>/report.json"]
         if best is not None:
             (staging / "best.yaml").write_text(
@@ -508,7 +512,8 @@ def main(args, console: Console, err: Console) -> int:
         vals = ", ".join(f"{a.short} {best['values'][a.name]}" for a in sweep.axes)
         console.print(f"best{where}: {vals}: {best['metrics'][sweep.objective]:,.2f} {sweep.objective} ({best['label']})", highlight=False)
     console.print(
-        f"{len(sweep.points)} points ({runnable} run on {workers} worker{'s' * (workers > 1)} in {timing['points_wall_s']:.1f} s); "
+        f"{len(sweep.points)} points ({runnable} run on {workers} worker{'s' * (workers > 1)} in {timing['points_wall_s']:.1f} s, "
+        f"{timing['points_cpu_s'] / max(1, len(cpu)):.1f} CPU-s each); "
         f"in {out}: {', '.join(files)}",
         highlight=False,
     )

@@ -157,7 +157,7 @@ def test_set_on_an_axis_key_is_refused_and_sweep_keys_can_be_set(tmp_path):
 
 def known(thr, tokens, stale, eff=0.9):
     m = {"throughput/trained_samples_per_s": thr, "throughput/trained_tokens_per_s": tokens, "staleness/max": stale, "bound/efficiency": eff}
-    return {"async": m, "partial": m}
+    return {"modes": {"async": m, "partial": m}, "cpu_s": 1.0}
 
 
 def test_best_is_the_top_objective_among_points_that_meet_the_constraints(tmp_path):
@@ -253,6 +253,7 @@ def test_a_small_sweep_runs_in_parallel_end_to_end(tmp_path, capsys):
         assert p["metrics"]["throughput/trained_tokens_per_s"] == rep["metrics"]["throughput/trained_tokens_per_s"]
         assert p["metrics"]["staleness/max"] == rep["metrics"]["staleness/max"]
         assert not list((out / "points" / p["label"]).rglob("*.png"))
+        assert p["cpu_s"] > 0
     feasible = [p for p in doc["points"] if p["status"] == "ok"]
     assert feasible and all(p["metrics"]["staleness/max"] <= 1 for p in feasible)
     top = max(p["metrics"]["throughput/trained_tokens_per_s"] for p in feasible)
