@@ -13,7 +13,7 @@ import yaml
 from harness.console import sweep_table
 from harness.run import main
 from harness.scenario import ScenarioError, load
-from harness.sweep import Axis, grid, load_sweep, parse_constraint, rank
+from harness.sweep import Axis, grid, heatmap_cells, load_sweep, parse_constraint, rank
 
 ROOT = Path(__file__).resolve().parent.parent
 # The quickstart's cost model on 4 GPUs: a point runs in a fraction of a second.
@@ -272,3 +272,29 @@ def test_the_shipped_sweep_is_5x5_at_128_gpus():
     assert all(p.scenario is not None for p in sweep.points)
     assert {p.scenario.resources.rollout_gpus + p.scenario.resources.trainer_gpus for p in sweep.points} == {128}
     assert {p.scenario.trainer.steps for p in sweep.points} == {400}
+
+
+def test_heatmap_cells_show_the_best_over_other_axes_and_grey_what_is_out(tmp_path):
+    body = BASE + """\
+sweep:
+  axes:
+    staleness.max_staleness: [0, 1]
+    trainer.sync_every: [1, 2]
+    seed: [0, 1]
+  constraints: ["staleness/max <= 0"]
+  mode: partial
+  heatmap: [staleness.max_staleness, seed]
+"""
+    sweep = load_sweep(write(tmp_path, body))  # max_staleness 0 with lead 0.5: refused
+    assert [p.refused is not None for p in sweep.points] == [True] * 4 + [False] * 4
+    results = {p.index: known(1, 100 + p.index, 0 if p.index != 7 else 1) for p in sweep.points if not p.refused}
+    rows, best = rank(sweep, results)
+    cells, best_at = heatmap_cells(sweep, rows, best)
+    assert cells[0] == [(None, "refused"), (None, "refused")]
+    # seed 0: points 4 (sync_every 1) and 6 (sync_every 2) -> 106; seed 1: 7 violates, so 5 -> 105
+    assert cells[1] == [(106, ""), (105, "")]
+    assert best["label"] == sweep.points[6].label and best_at == (1, 0)
+    none_ok = {i: known(1, 100 + i, 1) for i in results}
+    rows, best = rank(sweep, none_ok)
+    cells, best_at = heatmap_cells(sweep, rows, best)
+    assert cells[1] == [(106, "violates"), (107, "violates")] and best_at is None
