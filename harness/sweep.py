@@ -339,7 +339,8 @@ def run_points(sweep: Sweep, root: Path, env: dict, on_done=None) -> dict[int, d
                 on_done(p)
         return results
     # spawn, not fork: a forked child would inherit the parent's threads and locks (rich's refresher).
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    try:
         running: dict[Future, Point] = {pool.submit(run_point, p.scenario, str(root / p.label), env): p for p in todo}
         while running:
             done, _ = wait(running, return_when=FIRST_COMPLETED)
@@ -349,6 +350,10 @@ def run_points(sweep: Sweep, root: Path, env: dict, on_done=None) -> dict[int, d
                 results[p.index] = {"error": f"{type(exc).__name__}: {exc}"} if exc else fut.result()
                 if on_done:
                     on_done(p)
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)  # Ctrl-C: do not start the points still queued
+        raise
+    pool.shutdown()
     return results
 
 
