@@ -34,10 +34,11 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from core.model.config import ConfigError, Scenario
+from core.model.config import ConfigError, Placement, Scenario
 from core.runtimes.sim import run_sim
 from harness import report
 from harness.spans import SCHEMA
+from harness.probes import engine_contention, train_speedup
 
 # The sections of a real run's scenario that a sim run does not read.
 _REAL_ONLY = ("engine", "tiny_model", "task", "learn", "eval", "ray", "reward")
@@ -100,17 +101,17 @@ class Calibration:
     response_lens: list
     prompt_tokens: int
     prompt_share: float
+    prefill_spread: float = 0.0  # (max - min) / mean of the tokens per prefill
 
     def calibrated(self, source: str, speedup: dict[int, float]) -> dict:
         """The scenario's ``calibrated:`` section."""
         d, t = self.decode, self.train
-        per_token = self.prefill["tokens"] if self.prefill is not None else d["prompt_tokens"]
         return {
             "source": source,
             "decode_overhead_s": d["1"],
             "decode_per_seq_s": d["running"],
             "decode_kv_s_per_token": d["context"],
-            "prefill_s_per_token": per_token,
+            "prefill_s_per_token": self.prefill_per_token()[0],
             "train_overhead_s": t["1"],
             "train_s_per_token": t["tokens"],
             "train_s_per_token_sq": t["tokens_sq"],
@@ -118,6 +119,19 @@ class Calibration:
             "train_speedup": dict(speedup),
             "transfer_s": self.transfer_s,
         }
+
+    def prefill_per_token(self) -> tuple[float, str]:
+        """Seconds per prefilled token, and where it comes from. A prefill's fixed part (a
+        separate engine iteration on the torch engine) has no term in the sim, whose engines
+        charge prefill per request. When the fitted mode's prefills all hold about as many
+        tokens (a sync run prefills only fresh prompts), their slope cannot be told from their
+        fixed part; then the decode fit's cost of one more sequence in a batched forward stands
+        for one more prefilled token."""
+        if self.prefill is None:
+            return self.decode["prompt_tokens"], "fitted with the engine step (vLLM)"
+        if self.prefill_spread >= 1.0:
+            return self.prefill["tokens"], "fitted slope"
+        return self.decode["running"], f"prefills span too few token counts (spread {self.prefill_spread:.2f}): decode per_seq"
 
 
 def fit_spans(spans: dict) -> Calibration:
@@ -140,7 +154,7 @@ def fit_spans(spans: dict) -> Calibration:
         if not prefill:
             raise CalibrationError("no prefill was recorded; fix: calibrate from a run that generated")
         p = np.asarray(prefill, dtype=np.float64)
-        pfit = nnls(p[:, :1], p[:, 1], ("tokens",))
+        pfit = nnls(np.column_stack([np.ones(len(p)), p[:, 0]]), p[:, 1], ("1", "tokens"))
     if not spans["train"]:
         raise CalibrationError("no trainer step was recorded; fix: calibrate from a run that trained")
     t = np.asarray(spans["train"], dtype=np.float64)
@@ -156,6 +170,7 @@ def fit_spans(spans: dict) -> Calibration:
         int(spans["placement"]["trainer_gpus"]), lens,
         max(1, round(float(np.mean(prompts)))) if prompts else spans["scenario"]["workload"]["prompt_tokens"],
         prompt_share(lens, group),
+        float(np.ptp(p[:, 0]) / p[:, 0].mean()) if pfit is not None and p[:, 0].mean() > 0 else 0.0,
     )
 
 
@@ -233,6 +248,8 @@ def fit_table(cal: Calibration) -> Table:
     row("engine step (s)", cal.decode)
     if cal.prefill is not None:
         row("prefill (s)", cal.prefill)
+    per_token, why = cal.prefill_per_token()
+    t.add_row("prefill used (s/token)", f"{per_token:.4g}: {why}", "", "", "", "")
     row(f"trainer step (s, {cal.train_devices} dev)", cal.train)
     t.add_row("transfer (s)", f"mean {cal.transfer_s:.4g}", "", "", "", str(cal.transfer_n))
     lens = np.asarray(cal.response_lens)
@@ -268,6 +285,33 @@ def predict_table(rows: list[dict]) -> Table:
     return t
 
 
+def _probe(spans: dict, cal: Calibration, scenario: dict, speedup: dict[int, float], console: Console) -> None:
+    """Measure the trainer's speed-up and the engines' contention; put them in ``scenario``."""
+    real = Scenario.model_validate(spans["scenario"])
+    devices = [Placement.of(real, m).trainer_gpus for m in real.modes]
+    probed, secs = train_speedup(real, spans["prompt_lens"], cal.response_lens, cal.train_devices, devices)
+    console.print("probe, trainer seconds per step by devices: " + ", ".join(f"{n}: {t:.3f}" for n, t in secs.items())
+                  + f"; speed relative to {cal.train_devices}: " + ", ".join(f"{n}: {v:.3f}" for n, v in probed.items()),
+                  highlight=False)
+    c = scenario["calibrated"]
+    c["train_speedup"] = {**probed, **speedup}
+    engines = spans["placement"]["engines"]
+    if real.runtime == "local" and engines > 1:
+        lens = np.asarray(cal.response_lens)
+        factor, alone_ms, many_ms = engine_contention(
+            real, engines, spans["prompt_lens"], cal.response_lens, real.trainer.batch_size // engines, int(np.percentile(lens, 90)))
+        console.print(f"probe, decode step of one engine next to a stepping trainer {alone_ms:.2f} ms, of {engines} engines "
+                      f"side by side in one process {many_ms:.2f} ms: the fitted engine costs are divided by {factor:.3f}",
+                      highlight=False)
+        _divide_decode(c, factor)
+
+
+def _divide_decode(c: dict, factor: float) -> None:
+    for k in ("decode_overhead_s", "decode_per_seq_s", "decode_kv_s_per_token", "prefill_s_per_token"):
+        c[k] /= factor
+    c["decode_divided_by"] = factor
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m harness.calibrate", description=__doc__.split("\n\n")[1])
     p.add_argument("source", type=Path, help="a real run's directory, or a YAML file of published phase times")
@@ -275,6 +319,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("-o", "--out", type=Path, help="scenario to write (default RUN_DIR/calibrated.yaml)")
     p.add_argument("--train-speedup", action="append", default=[], metavar="DEVICES=SPEED",
                    help="measured trainer speed on DEVICES devices relative to the fitted mode's (default: linear)")
+    p.add_argument("--decode-divided-by", type=float, metavar="FACTOR",
+                   help="divide the fitted engine costs by this measured factor (what --probe measures: in-process "
+                        "contention of the fitted mode's engines), e.g. from an earlier --probe on this machine")
+    p.add_argument("--probe", action="store_true",
+                   help="measure on this machine what the cost model has no term for (harness/probes.py; run it on a "
+                        "quiet machine): the trainer's speed-up at every device count the modes use, and in-process "
+                        "contention between the fitted mode's engines on the local runtime")
     p.add_argument("--predict", action="store_true", help="run the written scenario and compare with every mode of the run")
     return p.parse_args(argv)
 
@@ -304,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.source.is_file():
             return _phases(args.source, console)
         speedup = parse_speedup(args.train_speedup)
+        if args.decode_divided_by is not None and not args.decode_divided_by > 0:
+            raise CalibrationError(f"--decode-divided-by {args.decode_divided_by}: must be > 0; fix: give the factor --probe printed")
         spans = load_spans(args.source, args.mode)
         cal = fit_spans(spans)
         out = args.out or args.source / "calibrated.yaml"
@@ -323,7 +376,11 @@ def main(argv: list[str] | None = None) -> int:
     except CalibrationError as exc:
         err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         return 2
-    out.write_text(f"# Calibrated by: python -m harness.calibrate {args.source} --mode {args.mode}\n"
+    if args.probe:
+        _probe(spans, cal, scenario, speedup, console)
+    elif args.decode_divided_by is not None:
+        _divide_decode(scenario["calibrated"], args.decode_divided_by)
+    out.write_text(f"# Calibrated by: python -m harness.calibrate {' '.join(argv if argv is not None else sys.argv[1:])}\n"
                    + yaml.safe_dump(scenario, sort_keys=False))
     console.print(fit_table(cal))
     console.print(f"wrote {out} and {lengths_file}", highlight=False)

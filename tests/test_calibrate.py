@@ -121,10 +121,11 @@ def test_round_trip_sim_spans_calibrate_sim(tmp_path, monkeypatch):
 
 def test_calibrated_train_cost_scales_by_the_measured_speedup():
     sc = truth()
-    linear = TrainCost(sc, 1).step_s(1000, 0) - KNOWN["train_overhead_s"]
-    assert linear == pytest.approx(2 * 1000 * KNOWN["train_s_per_token"])  # 2 devices -> 1: twice as long
+    at_2 = KNOWN["train_overhead_s"] + 1000 * KNOWN["train_s_per_token"]
+    assert TrainCost(sc, 2).step_s(1000, 0) == pytest.approx(at_2)
+    assert TrainCost(sc, 1).step_s(1000, 0) == pytest.approx(2 * at_2)  # 2 devices -> 1: twice as long
     measured = with_changes(sc, {"calibrated.train_speedup": {1: 0.8}})
-    assert TrainCost(measured, 1).step_s(1000, 0) - KNOWN["train_overhead_s"] == pytest.approx(1000 * KNOWN["train_s_per_token"] / 0.8)
+    assert TrainCost(measured, 1).step_s(1000, 0) == pytest.approx(at_2 / 0.8)
 
 
 # -- empirical lengths --------------------------------------------------------------------------

@@ -433,7 +433,7 @@ class CalibratedSpec(_Frozen):
     prefill_s_per_token: float = Field(ge=0)
     """Seconds per prefilled token (fitted)."""
     train_overhead_s: float = Field(ge=0)
-    """Seconds of one trainer step whatever its batch (fitted)."""
+    """Seconds of one trainer step whatever its batch, on ``train_devices`` devices (fitted)."""
     train_s_per_token: float = Field(ge=0)
     """Trainer seconds per trained token (prompt + response) on ``train_devices`` devices (fitted)."""
     train_s_per_token_sq: float = Field(ge=0)
@@ -441,8 +441,8 @@ class CalibratedSpec(_Frozen):
     train_devices: int = Field(ge=1)
     """Devices the trainer ran on where it was measured."""
     train_speedup: dict[int, float] = {}
-    """Measured speed of the trainer's per-token work on n devices relative to ``train_devices``
-    ({n: speed}); a device count not listed scales linearly (the roofline's assumption)."""
+    """Measured speed of the trainer's step on n devices relative to ``train_devices`` ({n: speed});
+    a device count not listed scales linearly (the roofline's assumption)."""
     transfer_s: float = Field(ge=0)
     """Seconds from rollout paused to resumed at a weight sync (measured mean)."""
 
@@ -454,6 +454,9 @@ class Scenario(_Frozen):
     """A label for reports and the default run directory."""
     seed: int = Field(0, ge=0)
     """Seeds the workload; every mode sees the same prompts and lengths."""
+    decode_divided_by: float = Field(1.0, gt=0)
+    """What the fitted engine costs above were divided by: the measured slowdown of the fitted
+    mode's engines sharing one process (harness/probes.py); 1: as fitted."""
     modes: tuple[Mode, ...] = ("sync", "async", "partial")
     """Modes to run, each on the same workload: sync, async, partial."""
     runtime: Literal["sim", "local", "ray"] = "sim"

@@ -102,13 +102,12 @@ class TrainCost:
         mfu = t.colocated_mfu if colocated and t.colocated_mfu is not None else t.mfu
         self.flops = self.peak_flops * mfu
         self.overhead_s = t.step_overhead_s
-        # Calibrated (harness/calibrate.py): measured seconds per token and per squared length,
-        # scaled from the devices they were measured on by the measured (else linear) speed-up.
+        # Calibrated (harness/calibrate.py): the measured step, overhead included (where it was
+        # measured all of it ran on the devices), scaled from the devices it was measured on by
+        # the measured (else linear) speed-up.
         self.calibrated = sc.calibrated
         if self.calibrated is not None:
-            cal = self.calibrated
-            self.overhead_s = cal.train_overhead_s
-            self.calibrated_scale = 1.0 / cal.train_speedup.get(gpus, gpus / cal.train_devices)
+            self.calibrated_scale = 1.0 / self.calibrated.train_speedup.get(gpus, gpus / self.calibrated.train_devices)
 
     def sample_flops(self, tokens: float, tokens_sq: float) -> float:
         """FLOPs of training on sequences with sum of lengths ``tokens`` and sum of squares ``tokens_sq``."""
@@ -121,7 +120,7 @@ class TrainCost:
     def step_s(self, tokens: float, tokens_sq: float) -> float:
         if self.calibrated is not None:
             cal = self.calibrated
-            return self.overhead_s + (cal.train_s_per_token * tokens + cal.train_s_per_token_sq * tokens_sq) * self.calibrated_scale
+            return (cal.train_overhead_s + cal.train_s_per_token * tokens + cal.train_s_per_token_sq * tokens_sq) * self.calibrated_scale
         return self.overhead_s + self.sample_flops(tokens, tokens_sq) / self.flops
 
 
