@@ -8,6 +8,7 @@ responses in a cancel queue that is served first after ``resume``.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import math
 from collections import deque
@@ -84,6 +85,9 @@ class Rollouter:
         self._next_prompt = 0
         self._active: set[asyncio.Task] = set()
         self._assigned = [0] * len(engines)  # samples routed to each engine and not yet back
+        # (assigned, index) of every engine, pushed on each change: the least-loaded live engine
+        # is the smallest entry that is current, without a scan of all engines per group.
+        self._loads = [(0, i) for i in range(len(engines))]
         self._paused = False
         self._stopped = False
         self._wake = asyncio.Event()
@@ -150,21 +154,38 @@ class Rollouter:
         while not self._stopped:
             if self._failure is not None:
                 raise self._failure
-            up = [i for i in range(len(self.engines)) if i not in self._down]
-            group = None if self._paused or not up else self._next_group()
+            all_down = len(self._down) == len(self.engines)
+            group = None if self._paused or all_down else self._next_group()
             if group is None:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             # Least-loaded routing on our own count: a task just created has not reached its engine yet.
-            i = min(up, key=self._assigned.__getitem__)
+            i = self._least_loaded()
             k = len(group.unfinished())
-            self._assigned[i] += k
+            self._assign(i, k)
             self.running += k
             self._holding += group.size
             task = asyncio.create_task(self._generate(group, i, k))
             self._active.add(task)
             task.add_done_callback(self._active.discard)
+
+    def _assign(self, i: int, k: int) -> None:
+        n = self._assigned[i] = self._assigned[i] + k
+        loads = self._loads
+        heapq.heappush(loads, (n, i))
+        if len(loads) > 8 * len(self.engines) + 64:  # drop the stale entries
+            self._loads = [(n, j) for j, n in enumerate(self._assigned)]
+            heapq.heapify(self._loads)
+
+    def _least_loaded(self) -> int:
+        """The live engine with the fewest samples assigned, the lowest index on a tie."""
+        loads, assigned, down = self._loads, self._assigned, self._down
+        while True:
+            n, i = loads[0]
+            if n == assigned[i] and i not in down:
+                return i
+            heapq.heappop(loads)  # stale, or a lost worker (pushed again when it is back)
 
     async def _generate(self, group: Group, i: int, k: int) -> None:
         try:
@@ -185,7 +206,7 @@ class Rollouter:
             completed = False
         finally:
             self.running -= k
-            self._assigned[i] -= k
+            self._assign(i, -k)
             self._holding -= group.size
             self._wake.set()
         if completed:
@@ -245,6 +266,7 @@ class Rollouter:
             return
         self._recovering.pop(i, None)
         self._down.discard(i)
+        heapq.heappush(self._loads, (self._assigned[i], i))
         self.faults.recovered(worker_key(i), asyncio.get_running_loop().time())
         self._wake.set()
 

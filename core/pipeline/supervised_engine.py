@@ -3,10 +3,77 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections import deque
+from typing import Any, Optional
 
 from core.api import Engine
 from core.model.faults import CallTimeout, RestartsExhausted
+
+
+class _Call:
+    """One call under a deadline: the task to cancel when it expires."""
+
+    __slots__ = ("deadline", "task", "cancelling", "done", "expired")
+
+    def __init__(self, deadline: float, task: asyncio.Task) -> None:
+        self.deadline = deadline
+        self.task = task
+        self.cancelling = task.cancelling()
+        self.done = False
+        self.expired = False
+
+
+class _Deadlines:
+    """The deadlines of the calls made with one timeout, and one timer for the oldest live one.
+
+    Every call gets the same timeout, so deadlines are in call order: a FIFO. An
+    ``asyncio.timeout`` per call costs a timer and its cancellation on every call (the sim's
+    hottest path); here a call that ends only marks itself done, and the timer moves on when
+    the oldest live call ends. A call still running at its deadline has its task cancelled,
+    exactly as ``asyncio.timeout`` would, at the same time."""
+
+    __slots__ = ("seconds", "_calls", "_timer", "_armed")
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._calls: deque[_Call] = deque()
+        self._timer: Optional[asyncio.TimerHandle] = None
+        self._armed: Optional[_Call] = None
+
+    def start(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task) -> _Call:
+        call = _Call(loop.time() + self.seconds, task)
+        self._calls.append(call)
+        if self._armed is None:
+            self._arm(loop)
+        return call
+
+    def end(self, call: _Call) -> None:
+        call.done = True
+        if call is self._armed:
+            calls = self._calls
+            while calls and calls[0].done:
+                calls.popleft()
+            if calls and calls[0].deadline == call.deadline:
+                self._armed = calls[0]  # calls made together (a sync's): the timer stands
+                return
+            self._timer.cancel()
+            self._timer = self._armed = None
+            self._arm(asyncio.get_running_loop())
+
+    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        calls = self._calls
+        while calls and calls[0].done:
+            calls.popleft()
+        if calls:
+            self._armed = calls[0]
+            self._timer = loop.call_at(calls[0].deadline, self._expire)
+
+    def _expire(self) -> None:
+        call = self._calls.popleft()
+        self._timer = self._armed = None
+        call.expired = True
+        call.task.cancel()
+        self._arm(asyncio.get_running_loop())
 
 
 class SupervisedEngine:
@@ -20,13 +87,21 @@ class SupervisedEngine:
         self.generate_s, self.control_s, self.restart_s = generate_s, control_s, restart_s
         self.max_restarts = max_restarts
         self.restarts = 0
+        self._deadlines = {s: _Deadlines(s) for s in (generate_s, control_s, restart_s)}
 
     async def _call(self, call: str, coro, seconds: float, key: str):
+        loop = asyncio.get_running_loop()
+        deadlines = self._deadlines[seconds]
+        entry = deadlines.start(loop, asyncio.current_task())
         try:
-            async with asyncio.timeout(seconds):
-                return await coro
-        except TimeoutError:
-            raise CallTimeout(self.name, call, seconds, key) from None
+            return await coro
+        except asyncio.CancelledError:
+            if entry.expired and entry.task.uncancel() <= entry.cancelling:
+                raise CallTimeout(self.name, call, seconds, key) from None
+            raise
+        finally:
+            if not entry.expired:
+                deadlines.end(entry)
 
     async def generate(self, group, max_response_len: int) -> bool:
         return await self._call("generate", self.engine.generate(group, max_response_len), self.generate_s, "timeouts.generate_s")

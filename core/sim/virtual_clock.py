@@ -8,8 +8,12 @@ work unchanged, the component code is the real one, and a run is exactly reprodu
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import selectors
-from typing import Any, Coroutine, Mapping, TypeVar
+from asyncio import events
+from asyncio.base_events import MAXIMUM_SELECT_TIMEOUT
+from typing import Any, Callable, Coroutine, Mapping, TypeVar
 
 T = TypeVar("T")
 
@@ -51,11 +55,54 @@ class _VirtualSelector(selectors.BaseSelector):
         self._keys.clear()
 
 
+class LightTimer:
+    """A timer without a context or a repr, for the simulator's hottest callbacks (an engine's
+    next completion): ``call_at_light``. Cancelled like a ``TimerHandle``."""
+
+    __slots__ = ("_when", "_callback", "_loop", "_cancelled", "_scheduled")
+
+    def __init__(self, when: float, callback: Callable[[], None], loop: "VirtualClockLoop") -> None:
+        self._when = when
+        self._callback = callback
+        self._loop = loop
+        self._cancelled = False
+        self._scheduled = True
+
+    def cancel(self) -> None:
+        if not self._cancelled:
+            self._cancelled = True
+            if self._scheduled:
+                self._loop._timer_cancelled_count += 1
+            self._callback = None
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def when(self) -> float:
+        return self._when
+
+    def _run(self) -> None:
+        try:
+            self._callback()
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
+            self._loop.call_exception_handler(
+                {"message": f"Exception in callback {self._callback!r}", "exception": exc, "handle": self}
+            )
+
+
 class VirtualClockLoop(asyncio.SelectorEventLoop):
-    """A SelectorEventLoop on virtual time, starting at t = 0."""
+    """A SelectorEventLoop on virtual time, starting at t = 0.
+
+    Its timers sit in one heap of ``(when, seq, timer)`` tuples, compared in C and, on equal
+    times, first scheduled first (asyncio's heap of handles compares them in Python, and
+    leaves ties to the heap's shape)."""
 
     def __init__(self) -> None:
         self._vselector = _VirtualSelector()
+        self._timers: list = []
+        self._timer_seq = itertools.count()
         super().__init__(selector=self._vselector)
 
     def time(self) -> float:
@@ -64,9 +111,68 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
     def set_time(self, t: float) -> None:
         """Move the clock to ``t`` (a resumed run continues at its checkpoint's time). Only
         with no timer pending."""
-        if self._scheduled:
+        if any(not e[2]._cancelled for e in self._timers):
             raise RuntimeError("set_time with timers pending")
         self._vselector.now = t
+
+    def call_at(self, when, callback, *args, context=None) -> asyncio.TimerHandle:
+        if when is None:
+            raise TypeError("when cannot be None")
+        self._check_closed()
+        timer = events.TimerHandle(when, callback, args, self, context)
+        if timer._source_traceback:
+            del timer._source_traceback[-1]
+        heapq.heappush(self._timers, (when, next(self._timer_seq), timer))
+        timer._scheduled = True
+        return timer
+
+    def call_at_light(self, when: float, callback: Callable[[], None]) -> LightTimer:
+        """``call_at`` for a callback with no arguments and no context to run in."""
+        timer = LightTimer(when, callback, self)
+        heapq.heappush(self._timers, (when, next(self._timer_seq), timer))
+        return timer
+
+    def close(self) -> None:
+        self._timers.clear()
+        super().close()
+
+    def _run_once(self) -> None:
+        """asyncio's ``_run_once`` (3.11) on the tuple heap, with no I/O to poll."""
+        timers = self._timers
+        n = len(timers)
+        if n > 100 and self._timer_cancelled_count * 2 > n:
+            live = []
+            for e in timers:
+                if e[2]._cancelled:
+                    e[2]._scheduled = False
+                else:
+                    live.append(e)
+            heapq.heapify(live)
+            self._timers = timers = live
+            self._timer_cancelled_count = 0
+        else:
+            while timers and timers[0][2]._cancelled:
+                self._timer_cancelled_count -= 1
+                heapq.heappop(timers)[2]._scheduled = False
+        ready = self._ready
+        sel = self._vselector
+        if ready or self._stopping:
+            pass
+        elif timers:
+            timeout = min(max(0, timers[0][0] - sel.now), MAXIMUM_SELECT_TIMEOUT)
+            if timeout > 0:
+                sel.now += timeout
+        else:
+            sel.select(None)  # raises SimulationStalled
+        end_time = sel.now + self._clock_resolution
+        while timers and timers[0][0] < end_time:
+            timer = heapq.heappop(timers)[2]
+            timer._scheduled = False
+            ready.append(timer)
+        for _ in range(len(ready)):
+            handle = ready.popleft()
+            if not handle._cancelled:
+                handle._run()
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
