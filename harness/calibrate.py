@@ -20,7 +20,6 @@ changes. Exit code 2 and one line on stderr for bad input, before anything is wr
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import os
@@ -36,6 +35,7 @@ from rich.table import Table
 
 from core.model.config import ConfigError, Placement, Scenario
 from core.runtimes.sim import run_sim
+from core.sim.phase_fit import fit_phases
 from harness import report
 from harness.spans import SCHEMA
 from harness.probes import engine_contention, train_speedup
@@ -335,12 +335,13 @@ def _phases(path: Path, console: Console) -> int:
         table = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise CalibrationError(f"{path}: not readable YAML ({type(exc).__name__}); fix: pass a YAML file of phase times") from None
+    if not isinstance(table, dict):
+        raise CalibrationError(f"{path}: not a table of phase times (a YAML mapping); fix: see scenarios/published/")
     try:
-        # core.sim.phase_fit is helper B's (issue 12); looked up here so this CLI works before it lands.
-        phase_fit = importlib.import_module("core.sim.phase_fit")
-    except ModuleNotFoundError:
-        raise CalibrationError(f"{path}: published phase times need core.sim.phase_fit, which is not in this version; fix: calibrate from a run directory") from None
-    changes, lines = phase_fit.fit_phases(table)
+        changes, lines = fit_phases(table)
+    except (KeyError, TypeError, ValueError) as exc:
+        what = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc).splitlines()[0]
+        raise CalibrationError(f"{path}: not a table of phase times ({what}); fix: follow scenarios/published/verl-fully-async-7b.yaml") from None
     for line in lines:
         console.print(line, highlight=False)
     console.print(yaml.safe_dump(changes, sort_keys=False), highlight=False)

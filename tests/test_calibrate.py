@@ -202,7 +202,8 @@ def _run_dir(tmp_path: Path, spans: dict | str | None) -> Path:
     return run
 
 
-@pytest.mark.parametrize("case", ["no-dir", "no-spans", "not-json", "wrong-schema", "no-train", "bad-speedup", "phases-no-yaml"])
+@pytest.mark.parametrize("case", ["no-dir", "no-spans", "not-json", "wrong-schema", "no-train", "bad-speedup", "bad-factor",
+                                  "phases-no-yaml", "phases-not-a-table", "phases-missing-key"])
 def test_calibrate_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
     spans = synthetic_spans(truth())
     args: list[str]
@@ -218,15 +219,22 @@ def test_calibrate_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
         args = [str(_run_dir(tmp_path, {**spans, "train": []}))]
     elif case == "bad-speedup":
         args = [str(_run_dir(tmp_path, spans)), "--train-speedup", "one=fast"]
+    elif case == "bad-factor":
+        args = [str(_run_dir(tmp_path, spans)), "--decode-divided-by", "0"]
     else:
         bad = tmp_path / "phases.yaml"
-        bad.write_text("a: [unclosed")
+        bad.write_text({"phases-no-yaml": "a: [unclosed", "phases-not-a-table": "[1, 2]", "phases-missing-key": "fit: x"}[case])
         args = [str(bad)]
     before = sorted(p for p in tmp_path.rglob("*"))
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "error" in err
     assert sorted(p for p in tmp_path.rglob("*")) == before  # nothing written
+
+
+def test_published_phase_times_give_cost_changes(capsys):
+    assert main([str(ROOT / "scenarios" / "published" / "verl-fully-async-7b.yaml")]) == 0
+    assert "rollout.decode_overhead_s" in capsys.readouterr().out
 
 
 def test_sim_runs_write_no_spans():
