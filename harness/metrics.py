@@ -130,6 +130,8 @@ def collect(
         "samples/length_bias": _length_bias(result),
         "tokens/trained_response": led.response_tokens,
         "tokens/prefill": sum(e.prefill_tokens for e in engines),
+        "rollout/preemptions": sum(e.preemptions for e in engines),
+        "tokens/recomputed_prefill": sum(e.recomputed_tokens for e in engines),
         "trainer/steps": result.trainer.step,
         "trainer/final_version": result.trainer.version,
     }

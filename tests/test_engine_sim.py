@@ -11,7 +11,9 @@ from core.sim.costs import DecodeCost
 from core.sim.engine import SimEngine
 from core.model.sample import Group, Sample
 from core.sim.workload import Workload
-from tests.engine_reference import stepped_finish_times
+from core.runtimes.dispatch import run_mode
+from harness.metrics import collect
+from tests.engine_reference import stepped_finish_times, stepped_with_capacity
 
 
 class FixedLengths:
@@ -119,3 +121,79 @@ def test_workload_lengths_are_deterministic_and_clipped():
     assert first == second
     assert max(max(x) for x in first) <= 3000
     assert Workload(sc.workload, 8).response_lengths(5).tolist() != first[0]
+
+
+LONG_TAIL = [400, 900, 1500, 2000, 2500, 3000, 600, 1200]
+
+
+def run_group(cost, lengths, max_num_seqs=64, cap=None):
+    """One group on one engine (KV capacity ``cap`` tokens when given)."""
+    if cap is not None:
+        cost.kv_capacity_tokens = cap
+
+    async def main():
+        e = SimEngine("e", cost, FixedLengths({0: lengths}), max_num_seqs=max_num_seqs)
+        g = group(0, len(lengths))
+        assert await e.generate(g, 10_000)
+        return g, e
+
+    return virtual_clock.run(main())
+
+
+@pytest.mark.parametrize("cap,max_num_seqs", [(5000, 64), (3500, 64), (4000, 3)])
+def test_kv_capacity_preempts_like_the_token_by_token_reference(cap, max_num_seqs):
+    """A full KV cache preempts the most recent request (vLLM V1, recompute): the event engine
+    preempts as often, recomputes as many tokens and finishes every response when stepping does."""
+    cost = DecodeCost(Scenario(), 1)
+    g, e = run_group(cost, LONG_TAIL, max_num_seqs, cap)
+    ref, preemptions, recomputed, prefilled = stepped_with_capacity(cost, 64, LONG_TAIL, cap, max_num_seqs)
+    assert e.preemptions == preemptions > 0
+    assert e.recomputed_tokens == recomputed > 0
+    np.testing.assert_allclose([s.finished_at for s in g.samples], ref, rtol=5e-3)
+    # Every response is generated whole, once: preempted tokens are kept, not generated again.
+    assert [s.n_response for s in g.samples] == LONG_TAIL
+    assert e.tokens_generated == sum(LONG_TAIL)
+    # The recompute is charged as prefill: the prompt once per admission round, then what the preempted held.
+    assert e.prefill_tokens == prefilled
+
+
+def test_preemption_costs_time_and_ample_capacity_changes_nothing():
+    ample, _ = run_group(DecodeCost(Scenario(), 1), LONG_TAIL, cap=float("inf"))
+    default, e = run_group(DecodeCost(Scenario(), 1), LONG_TAIL)  # an H20's 1.2M tokens
+    small, s = run_group(DecodeCost(Scenario(), 1), LONG_TAIL, cap=3500)
+    assert e.preemptions == 0
+    assert [x.finished_at for x in default.samples] == [x.finished_at for x in ample.samples]
+    assert s.preemptions > 0
+    assert max(x.finished_at for x in small.samples) > max(x.finished_at for x in ample.samples)
+
+
+def test_kv_capacity_from_memory_and_weights():
+    """H20 (96 GB x 0.9, 1 GB reserve) less Qwen2.5-7B's 15.24 GB of bf16 weights, over 56 KiB of
+    KV per token (2 x 28 layers x 4 KV heads x 128 x 2 bytes)."""
+    sc = Scenario()
+    assert DecodeCost(sc, 1).kv_capacity_tokens == pytest.approx((96 * 0.9 - 1 - 15.24) * 1e9 / 57344)
+    # Two GPUs per engine: twice the memory, the weights once.
+    assert DecodeCost(sc, 2).kv_capacity_tokens == pytest.approx((2 * (96 * 0.9 - 1) - 15.24) * 1e9 / 57344)
+
+
+def test_a_small_kv_cache_preempts_and_every_response_still_finishes_whole():
+    """A whole run on engines with little memory: preemptions and recomputed prefill are
+    reported, nothing is lost, and sync mode (the same samples whatever the timing) trains
+    exactly the tokens it trains with ample memory, later."""
+    sc = with_changes(Scenario(), {
+        "resources.rollout_gpus": 2, "resources.trainer_gpus": 2, "trainer.batch_size": 64, "trainer.steps": 3,
+        "workload.max_response_len": 4096, "staleness.max_staleness": 4,
+    })
+    small = with_changes(sc, {"gpu.memory_gb": 19.5})  # ~20k tokens of KV cache per engine
+    assert DecodeCost(small, 1).kv_capacity_tokens < 25_000
+    for mode in ("sync", "async", "partial"):
+        ample_run, small_run = run_mode(sc, mode), run_mode(small, mode)
+        ample, tight = collect(ample_run), collect(small_run)
+        assert ample["rollout/preemptions"] == 0 < tight["rollout/preemptions"]
+        assert ample["tokens/recomputed_prefill"] == 0 < tight["tokens/recomputed_prefill"]
+        assert tight["samples/lost"] == 0 and tight["samples/trainings"] == 3 * 64
+        if mode == "sync":
+            assert tight["tokens/generated"] == ample["tokens/generated"]
+            assert tight["tokens/trained_response"] == ample["tokens/trained_response"]
+            assert tight["tokens/prefill"] == ample["tokens/prefill"] + tight["tokens/recomputed_prefill"]
+            assert small_run.end_s > ample_run.end_s

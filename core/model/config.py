@@ -71,6 +71,9 @@ class GpuSpec(_Frozen):
     nvlink_gb_s: float = Field(450.0, gt=0)
     """NVLink bandwidth per GPU and direction in GB/s, for tensor-parallel all-reduces
     (NVIDIA H20 datasheet: 900 GB/s NVLink, both directions)."""
+    memory_gb: float = Field(96.0, gt=0)
+    """Memory per GPU in GB (NVIDIA H20 datasheet: 96 GB HBM3); with the weights, it sets the
+    engines' KV-cache capacity (``kv_capacity_tokens``)."""
 
 
 class ResourcesSpec(_Frozen):
@@ -132,6 +135,12 @@ class RolloutSpec(_Frozen):
     """Fraction of BF16 peak reached by decode GEMMs once compute-bound (assumed)."""
     prefill_mfu: float = Field(0.5, gt=0, le=1)
     """Fraction of BF16 peak reached by prefill, including re-prefill of resumed partial responses (assumed)."""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """Share of each GPU's memory an engine takes for weights, activations and KV cache (vLLM
+    default gpu_memory_utilization: 0.9)."""
+    activation_reserve_gb: float = Field(1.0, ge=0)
+    """Memory per GPU an engine keeps for activations and workspace, not for KV cache (assumed:
+    ~1 GB, what vLLM's profiling run finds for a 7B model at its default batched-token limit)."""
     allreduce_latency_s: float = Field(1e-5, ge=0)
     """Fixed cost of one tensor-parallel all-reduce, two per layer per decode step when
     resources.gpus_per_engine > 1 (assumed: ~10 us, a small NCCL or vLLM custom all-reduce on NVLink)."""
@@ -576,7 +585,32 @@ class Scenario(_Frozen):
                 f"use at least trainer.batch_size / workload.group_size = {bs // n}",
             )
         self._check_faults()
+        self._check_kv_fits()
         return self
+
+    def _check_kv_fits(self) -> None:
+        """vLLM refuses to start an engine that cannot hold its weights plus one sequence of
+        the longest context; so does the sim."""
+        if self.runtime != "sim":
+            return
+        r, g = self.resources, self.gpu
+        need = self.workload.prompt_tokens + self.workload.max_response_len
+        cap = kv_capacity_tokens(self, r.gpus_per_engine)
+        if cap >= need:
+            return
+        engine_gb = r.gpus_per_engine * g.memory_gb * self.rollout.gpu_memory_utilization
+        weights_gb = self.model.params_b * self.model.dtype_bytes
+        reserve_gb = r.gpus_per_engine * self.rollout.activation_reserve_gb
+        numbers = (f"an engine of {r.gpus_per_engine} GPU(s) has {engine_gb:.1f} GB (gpu.memory_gb {g.memory_gb:g} x "
+                   f"rollout.gpu_memory_utilization {self.rollout.gpu_memory_utilization:g}); weights take {weights_gb:.1f} GB "
+                   f"and the activation reserve {reserve_gb:.1f} GB, leaving KV for {max(cap, 0):,.0f} tokens, "
+                   f"less than one sequence of workload.prompt_tokens + workload.max_response_len = {need:,}")
+        if cap <= 0:
+            raise ConfigError("resources.gpus_per_engine", r.gpus_per_engine, numbers,
+                              "raise resources.gpus_per_engine (tensor parallelism), gpu.memory_gb or rollout.gpu_memory_utilization")
+        raise ConfigError("workload.max_response_len", self.workload.max_response_len, numbers,
+                          f"use at most {int(cap) - self.workload.prompt_tokens}, or raise resources.gpus_per_engine, "
+                          "gpu.memory_gb or rollout.gpu_memory_utilization")
 
     def _check_faults(self) -> None:
         if self.checkpoint.every and self.replay.enabled:
@@ -690,3 +724,12 @@ def effective_staleness(sc: Scenario, mode: str) -> tuple[int, float]:
     if mode == "sync":
         return 0, 0.0
     return sc.staleness.max_staleness, sc.lead
+
+
+def kv_capacity_tokens(sc: Scenario, gpus: int) -> float:
+    """Tokens of KV cache one engine of ``gpus`` GPUs holds: its share of their memory
+    (``rollout.gpu_memory_utilization``) less the weights and the activation reserve, over the
+    KV bytes of one token (K and V, every layer, every KV head; split over the GPUs as they are)."""
+    m, r = sc.model, sc.rollout
+    free = gpus * (sc.gpu.memory_gb * r.gpu_memory_utilization - r.activation_reserve_gb) * 1e9 - m.params_b * 1e9 * m.dtype_bytes
+    return free / (2 * m.layers * m.kv_heads * m.head_dim * m.dtype_bytes)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from core.model.config import ModelSpec, Scenario
+from core.model.config import ModelSpec, Scenario, kv_capacity_tokens
 
 
 def matmul_params(m: ModelSpec) -> float:
@@ -58,6 +58,8 @@ class DecodeCost:
             self.overhead_s, self.weights_s, self.per_seq_compute_s = cal.decode_overhead_s, 0.0, cal.decode_per_seq_s
             self.allreduce_fixed_s = self.allreduce_per_seq_s = 0.0
             self.kv_s_per_token = cal.decode_kv_s_per_token
+        # KV tokens the engine holds (core/sim/engine.py preempts when they run out).
+        self.kv_capacity_tokens = kv_capacity_tokens(sc, gpus)
 
     def base_s(self, running: int) -> float:
         """The part of a step that does not grow with context."""

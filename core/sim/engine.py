@@ -6,6 +6,13 @@ fixed and every running request gains one token per decode step. A step costs
 step, so after x steps the elapsed time is ``tau0 * x + (k * B / 2) * x**2``. The next
 completion time is solved in closed form, and progress is tracked as a real number of
 steps (a fluid approximation of discrete steps; tokens are counted with floor()).
+
+The KV cache holds ``cost.kv_capacity_tokens`` tokens. A waiting request is admitted only
+while the batch's context, its own and one more token per running request fit. When the
+growing context reaches the capacity (after ``(cap - C) / B`` steps, another event), the most
+recently admitted request is preempted as vLLM V1 does in recompute mode: its KV is freed,
+it goes back to the front of the waiting queue with the tokens it has, and is prefilled again
+over prompt + those tokens when it is readmitted.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ class _Waiter:
 
 
 class _Request:
-    __slots__ = ("sample", "waiter", "steps", "join", "ctx")
+    __slots__ = ("sample", "waiter", "steps", "join", "ctx", "preempted")
 
     def __init__(self, sample: Sample, waiter: _Waiter, steps: int, ctx: int) -> None:
         self.sample = sample
@@ -47,6 +54,7 @@ class _Request:
         self.steps = steps  # tokens this request will generate before it stops
         self.join = 0.0  # engine step count when it joined the batch
         self.ctx = ctx  # context tokens when it joined
+        self.preempted = False  # its KV was freed: readmitting it prefills its context again
 
 
 class SimEngine:
@@ -74,6 +82,10 @@ class SimEngine:
         self.prefill_tokens = 0
         self.busy_s = 0.0
         self.seq_s = 0.0  # integral of the running batch size over time
+        self.preemptions = 0  # requests evicted from a full KV cache
+        self.recomputed_tokens = 0  # context prefilled again when they came back
+        self._cap = cost.kv_capacity_tokens
+        self._timer_cap = False  # the pending timer is the KV cache filling up, not a completion
         self._heap: list[tuple[float, int, _Request]] = []
         self._waiting: deque[_Request] = deque()
         self._seq = 0
@@ -102,10 +114,10 @@ class SimEngine:
             return True
         loop = asyncio.get_running_loop()
         waiter = _Waiter(loop.create_future(), len(todo))
-        lengths = self.workload.response_lengths(group.prompt_id)
+        lengths = self.workload.response_lengths(group.prompt_id).tolist()
         reqs = []
         for s in todo:
-            want = min(int(lengths[s.index]), max_response_len) - s.n_response
+            want = min(lengths[s.index], max_response_len) - s.n_response
             if want <= 0:  # cut at the budget earlier, or resumed at the cap
                 waiter.emits.append((s, 0, self.version, True, s.finished_at))
                 waiter.pending -= 1
@@ -235,14 +247,22 @@ class SimEngine:
         stall = 0.0
         prompt_done: set[int] = set()
         cost = self.cost
+        cap = self._cap
         while self._waiting and len(self._heap) < self.max_num_seqs:
-            req = self._waiting.popleft()
+            req = self._waiting[0]
+            # Its context, and the next token of every running request and of its own.
+            if self._C + req.ctx + len(self._heap) + 1 > cap and self._heap:
+                break  # (alone, a request always fits: the scenario check saw to it)
+            self._waiting.popleft()
             s = req.sample
             # The group's prompt is prefilled once (prefix caching); resumed tokens are recomputed.
             start = s.n_prompt if s.prompt_id in prompt_done else 0
             prompt_done.add(s.prompt_id)
             stall += cost.prefill_s(start, req.ctx) * self.slowdown
             self.prefill_tokens += req.ctx - start
+            if req.preempted:
+                req.preempted = False
+                self.recomputed_tokens += req.ctx - start
             req.join = self._S
             if s.started_at != s.started_at:  # NaN: first time in a batch
                 s.started_at = now
@@ -260,8 +280,17 @@ class SimEngine:
         if not self._heap:
             return
         key = self._heap[0][0]
+        # The cache fills up before the next completion: C + B * x = cap. (One request alone
+        # always fits: the scenario check refuses an engine that cannot hold one sequence.)
+        b = len(self._heap)
+        full = self._S + (self._cap - self._C) / b if b > 1 else math.inf
+        self._timer_cap = full < key
+        if self._timer_cap:
+            key = full
         self._timer_key = key
-        self._timer = loop.call_at(self._t + self._time_for(key - self._S), self._on_finish)
+        # The virtual clock's light timer when there is one (tests may drive an engine on another loop).
+        call_at = getattr(loop, "call_at_light", None) or loop.call_at
+        self._timer = call_at(self._t + self._time_for(key - self._S), self._on_finish)
 
     def _on_finish(self) -> None:
         loop = asyncio.get_running_loop()
@@ -271,6 +300,8 @@ class SimEngine:
         if now > self._t:
             self._advance(now, to_steps=key)
         heap = self._heap
+        if self._timer_cap:
+            self._preempt()
         while heap and heap[0][0] <= self._S + _EPS:
             _, _, req = heapq.heappop(heap)
             self._C -= req.ctx + req.steps
@@ -282,6 +313,25 @@ class SimEngine:
         if not heap:
             self._idle(now)
         self._reschedule(loop)
+
+    def _preempt(self) -> None:
+        """Free the KV of the most recently admitted request and queue it first to come back
+        with the tokens it has (vLLM V1's recompute preemption)."""
+        heap = self._heap
+        j = max(range(len(heap)), key=lambda i: heap[i][1])
+        _, _, req = heap[j]
+        heap[j] = heap[-1]
+        heap.pop()
+        heapq.heapify(heap)
+        held = self._S - req.join
+        done = min(req.steps, int(math.floor(held + _EPS)))
+        self._C -= req.ctx + held
+        self._emit(req, done)
+        req.steps -= done
+        req.ctx += done
+        req.preempted = True
+        self.preemptions += 1
+        self._waiting.appendleft(req)
 
     def _emit(self, req: _Request, n: int, finished_at: Optional[float] = None) -> None:
         self.tokens_generated += max(n, 0)
@@ -314,12 +364,14 @@ class SimEngine:
             "version": self.version, "tokens_generated": self.tokens_generated, "prefill_tokens": self.prefill_tokens,
             "busy_s": self.busy_s, "seq_s": self.seq_s, "S": self._S, "t": self._t, "C": self._C, "seq": self._seq,
             "slowdown": self.slowdown, "hang_next": self.hang_next, "down_until": self.down_until,
+            "preemptions": self.preemptions, "recomputed_tokens": self.recomputed_tokens,
         }
 
     def restore(self, st: dict) -> None:
         self.version, self.tokens_generated, self.prefill_tokens = st["version"], st["tokens_generated"], st["prefill_tokens"]
         self.busy_s, self.seq_s, self._S, self._t, self._C, self._seq = st["busy_s"], st["seq_s"], st["S"], st["t"], st["C"], st["seq"]
         self.slowdown, self.hang_next, self.down_until = st["slowdown"], st["hang_next"], st["down_until"]
+        self.preemptions, self.recomputed_tokens = st.get("preemptions", 0), st.get("recomputed_tokens", 0)
 
     async def close(self, now: float) -> None:
         """Close the open busy span at the end of a run."""
