@@ -454,6 +454,9 @@ class CalibratedSpec(_Frozen):
     a device count not listed scales linearly (the roofline's assumption)."""
     transfer_s: float = Field(ge=0)
     """Seconds from rollout paused to resumed at a weight sync (measured mean)."""
+    decode_divided_by: float = Field(1.0, gt=0)
+    """What the fitted engine costs above were divided by: the measured slowdown of the fitted
+    mode's engines sharing one process (harness/probes.py); 1: as fitted."""
 
 
 class Scenario(_Frozen):
@@ -463,9 +466,6 @@ class Scenario(_Frozen):
     """A label for reports and the default run directory."""
     seed: int = Field(0, ge=0)
     """Seeds the workload; every mode sees the same prompts and lengths."""
-    decode_divided_by: float = Field(1.0, gt=0)
-    """What the fitted engine costs above were divided by: the measured slowdown of the fitted
-    mode's engines sharing one process (harness/probes.py); 1: as fitted."""
     modes: tuple[Mode, ...] = ("sync", "async", "partial")
     """Modes to run, each on the same workload: sync, async, partial."""
     runtime: Literal["sim", "local", "ray"] = "sim"
