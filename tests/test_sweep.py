@@ -298,3 +298,16 @@ sweep:
     rows, best = rank(sweep, none_ok)
     cells, best_at = heatmap_cells(sweep, rows, best)
     assert cells[1] == [(106, "violates"), (107, "violates")] and best_at is None
+
+
+def test_a_point_whose_weights_and_kv_cache_do_not_fit_is_refused_not_the_sweep(tmp_path):
+    body = BASE + """\
+sweep:
+  axes:
+    gpu.memory_gb: [16, 96]   # a 7.6 B-parameter model in bf16 is 15 GB of weights
+  mode: partial
+"""
+    sweep = load_sweep(write(tmp_path, body))
+    small, large = sweep.points
+    assert small.scenario is None and "KV for" in small.refused and "fix:" in small.refused
+    assert large.refused is None and large.scenario.gpu.memory_gb == 96
