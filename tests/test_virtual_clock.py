@@ -3,6 +3,8 @@ import time
 
 import pytest
 
+from core.model.faults import CallTimeout
+from core.pipeline.supervised_engine import SupervisedEngine
 from core.sim import virtual_clock
 from core.sim.virtual_clock import SimulationStalled
 
@@ -39,3 +41,44 @@ def test_a_deadlock_is_reported_not_hung():
 
     with pytest.raises(SimulationStalled, match="no task is ready"):
         virtual_clock.run(main())
+
+
+def test_timers_fire_in_time_order_ties_first_scheduled_first_and_cancelled_ones_never():
+    fired = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        now = lambda: loop.time()  # noqa: E731
+        loop.call_at(5.0, lambda: fired.append(("handle", now())))
+        light = loop.call_at_light(2.0, lambda: fired.append(("gone", now())))
+        loop.call_at_light(5.0, lambda: fired.append(("light", now())))
+        loop.call_at(1.0, lambda: fired.append(("first", now())))
+        dead = loop.call_at(3.0, lambda: fired.append(("dead", now())))
+        light.cancel()
+        dead.cancel()
+        with pytest.raises(RuntimeError, match="timers pending"):
+            loop.set_time(0.5)
+        await asyncio.sleep(10.0)
+
+    virtual_clock.run(main())
+    # A cancelled timer neither runs nor stops the clock; equal times run in the order scheduled.
+    assert fired == [("first", 1.0), ("handle", 5.0), ("light", 5.0)]
+
+
+def test_a_supervised_call_times_out_at_its_deadline_and_others_do_not():
+    class Slow:
+        name = "slow"
+
+        async def generate(self, group, max_response_len):
+            await asyncio.sleep(group)
+            return True
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        e = SupervisedEngine(Slow(), generate_s=10.0, control_s=5.0, restart_s=5.0, max_restarts=1)
+        results = await asyncio.gather(e.generate(3.0, 0), e.generate(30.0, 0), e.generate(9.0, 0), return_exceptions=True)
+        return results, loop.time()
+
+    results, end = virtual_clock.run(main())
+    assert results[0] is True and results[2] is True
+    assert isinstance(results[1], CallTimeout) and end == 10.0
