@@ -34,9 +34,13 @@ def bounds(result: RunResult) -> tuple[Bound, Bound] | None:
     sc = result.scenario
     if sc.runtime != "sim":
         return None
+    led = result.ledger
     planned = pipeline_bound(sc, result.mode)
-    lengths = trained_lengths(sc, (pid for pid, _, _ in result.ledger.trained_log))
-    return (planned if lengths is None else pipeline_bound(sc, result.mode, lengths)), planned
+    lengths = trained_lengths(sc, (pid for pid, _, _ in led.trained_log))
+    if lengths is None:
+        return planned, planned
+    draw = ((led.prompt_tokens + led.response_tokens) / led.trainings, led.tokens_sq / led.trainings)
+    return pipeline_bound(sc, result.mode, lengths, draw), planned
 
 
 def _length_bias(result: RunResult) -> float | None:

@@ -49,13 +49,11 @@ def test_no_mode_beats_its_token_bound(sc, mode):
     trained, planned = bounds(result)
     m = collect(result, (trained, planned))
     # The bound is taken for the groups the run trained: a run that evicts long samples trains a
-    # shorter set, with a higher bound of its own, and its evicted tokens are waste on top.
-    # Tolerance: the cohort clock thins the batch by the whole length distribution, but a whole
-    # group shares one engine, so a short group's own members leave early and it finishes a
-    # little sooner than the clock says (1.0 % seen, not more). With replay the trained set is a
-    # random draw from the ring, priced at the ring's mean group; a draw of cheaper groups beats
-    # that by a little (3.5 % at most seen).
-    assert m["bound/efficiency"] <= (1.05 if sc.replay.enabled else 1.02)
+    # shorter set, with a higher bound of its own, and its evicted tokens are waste on top; with
+    # replay, for the draw it trained. Tolerance: every term is a bound but one estimate, the
+    # partial-mode re-prefill stall (how far each paused group got is read off a shared clock);
+    # 1.7 % over is the most seen in 300 random runs with two-valued lengths, 0 % in other modes.
+    assert m["bound/efficiency"] <= 1.02
     assert trained.trained_samples_per_s <= trained.resource_samples_per_s * (1 + 1e-9)
     assert 0.0 <= m["tokens/wasted"] <= m["tokens/generated"]
     if not m["samples/dropped"]:

@@ -42,6 +42,7 @@ class Ledger:
         self.token_staleness_sum = 0
         self.response_tokens = 0
         self.prompt_tokens = 0
+        self.tokens_sq = 0  # sum over trainings of (prompt + response tokens) squared: attention's cost
         self.reward_sum = 0.0  # over trainings of samples that carry a reward (real engines)
         self.rewarded = 0
         # per sample
@@ -91,6 +92,7 @@ class Ledger:
                     raise LedgerError(f"sample {s.uid}: trained before its generation finished")
                 self.response_tokens += s.n_response
                 self.prompt_tokens += s.n_prompt
+                self.tokens_sq += (s.n_prompt + s.n_response) ** 2
                 if s.reward is not None:
                     self.reward_sum += s.reward
                     self.rewarded += 1
@@ -139,7 +141,7 @@ class Ledger:
     # The trainer's side of the ledger: what a trainer restored from a checkpoint goes back to.
     TRAINED_FIELDS = (
         "trained", "trainings", "_trained_mask", "trained_log", "group_sizes", "e2e_s", "staleness_sum",
-        "staleness_max", "token_staleness_sum", "response_tokens", "prompt_tokens", "reward_sum", "rewarded",
+        "staleness_max", "token_staleness_sum", "response_tokens", "prompt_tokens", "tokens_sq", "reward_sum", "rewarded",
         "interrupted", "interrupts", "resumes", "max_response", "step_ends",
     )
 

@@ -18,35 +18,35 @@ Staleness budget: rollout may only admit groups while admitted <= (version + 1 +
 so the trainer often waits for groups admitted at the last version bump, and a straggler
 admitted long ago holds budget until it finishes. The bound plays the run out at group
 level: each group, in the run's own prompt order, is admitted as soon as the budget allows
-and finishes when its longest response does, on the fastest clock a cohort can have: a
-cohort starting together on one engine reaches decode step k after
-sum_{i<k} step(B(i), B(i) * (P + i)) seconds, B(i) being the members longer than i (the
-batch thins as it finishes). The trainer takes groups in finishing order and trains each
+and finishes when its longest response does, on the fastest clock it can have: alone on
+an engine (groups are routed whole, and any other sequence on the engine only makes a step
+slower), reaching decode step k after sum_{i<k} step(B(i), B(i) * (P + i)) seconds, B(i)
+being its members longer than i. The trainer takes groups in finishing order and trains each
 step at its exact FLOP cost. In partial mode every group still generating at a sync is
 paused for the transfer and prefilled again (the cost model recomputes KV after a weight
-update), that stall spread evenly over the engines.
+update), that stall spread evenly over the engines; how far each group got is read off a
+shared cohort clock (a cohort of window / engines sequences thinning by the whole length
+distribution), an estimate.
 
-Left out, which makes the bound higher: engines shared between cohorts, prefill of other
-groups, an uneven spread of re-prefill. One thing makes it lower: the clock thins the batch
-by the whole length distribution, while a whole group shares one engine, so a short group's
-own members leave early and it finishes a little sooner than the clock says. On a few
-engines a run can beat the bound by that (1 % at most in the tests). What the budget adds
-to the bare steps is reported as the version bubble.
+Left out, which makes the bound higher: engines shared between groups, prefill of other
+groups, an uneven spread of re-prefill. The stall estimate can err either way; with a
+replay ring the draw can be cheaper than the ring's mean (below). What the budget adds to
+the bare steps is reported as the version bubble.
 
 Separated (async, partial): the lower of W / (W / rollout + transfer) and the played-out
 run's rate. Colocated sync: W / rollout + W * train + transfer, in turn.
-The bound is for the planned workload. A run that evicts stale samples trains replacements
-instead, a set biased towards short responses, and may then beat it: its report shows the
-evictions (samples/dropped_stale).
+The bound is for the workload it is given: the planned one, or (harness.metrics.bounds) the
+groups a run trained, which are shorter than planned when it evicts stale samples.
 With a replay stage, a step trains ``reuse`` times as many samples as it takes fresh from
 rollout: the rollout terms and the budget count fresh samples (W = fresh per window), the
 training terms count trained ones, replayed groups costing what fresh ones cost on average,
 and the rates are trained samples per second. The first step takes a whole batch fresh
 to fill the ring, which the budget admits on top of the windows, as the Rollouter does.
 The played-out run keeps the ring too (the last ``capacity_groups`` fresh groups) and prices
-each step at the ring's mean group: the expected cost of the draw. A run draws at random, and
-on the run's slower clock long groups reach the ring later, so it can train a cheaper set
-than expected and beat this term by a little (3.5 % at most seen, over 360 random runs).
+each step at the ring's mean group: the expected cost of the draw. Given ``draw`` (the mean
+tokens and squared tokens of the samples a run actually trained), every step is priced at
+that instead: a step's cost is linear in both, so the run's own draw costs exactly that in
+total, and its tokens per trained sample are what the bound counts.
 ``resource_samples_per_s`` drops the staleness-budget term: what the GPUs could do if
 rollout were free to run ahead.
 The bound assumes every engine always holds a full batch. The long tail is what breaks
@@ -102,10 +102,14 @@ def trained_lengths(sc: Scenario, prompt_ids) -> np.ndarray | None:
     return Workload(sc.workload, sc.seed).sample_lengths(int(ids[-1]) + 1)[ids]
 
 
-def pipeline_bound(sc: Scenario, mode: str, lengths: np.ndarray | None = None) -> Bound:
+def pipeline_bound(
+    sc: Scenario, mode: str, lengths: np.ndarray | None = None, draw: tuple[float, float] | None = None,
+) -> Bound:
     """The bound for the planned workload, or for ``lengths`` (groups x responses, in the order
     they are admitted): a run that evicts or cannot finish long samples trains a shorter set,
-    whose own bound is higher; its efficiency is measured against that one."""
+    whose own bound is higher; its efficiency is measured against that one. ``draw``: with a
+    replay ring, the mean (prompt + response) tokens and squared tokens of the samples a run
+    trained, each training counted."""
     place = Placement.of(sc, mode)
     _, lead = effective_staleness(sc, mode)
     w = sc.workload
@@ -129,6 +133,8 @@ def pipeline_bound(sc: Scenario, mode: str, lengths: np.ndarray | None = None) -
     train = TrainCost(sc, place.trainer_gpus, mode in sc.trainer.recompute_logprobs, colocated=place.colocated)
     mean_t = p + mean_l
     mean_t2 = p * p + 2 * p * mean_l + mean_l2
+    if draw is not None and sc.replay.enabled:
+        mean_t, mean_t2 = draw
     train_per_sample = train.sample_flops(mean_t, mean_t2) / train.flops + train.overhead_s / sc.trainer.batch_size
     transfer = TransferCost(sc, colocated=place.colocated).seconds()
 
@@ -141,7 +147,8 @@ def pipeline_bound(sc: Scenario, mode: str, lengths: np.ndarray | None = None) -
         cohort = max(1, min(sc.rollout.max_num_seqs, math.ceil(window / place.engines)))
         reach = _cohort_clock(np.sort(lengths.ravel()), cohort, decode, p)
         paced_s, busy_s = _budget_paced_run(
-            sc, lengths.astype(np.int64), reach, decode, place.engines, train, transfer, lead, abort=mode == "partial"
+            sc, lengths.astype(np.int64), reach, decode, place.engines, train, transfer, lead, abort=mode == "partial",
+            draw=draw,
         )
         per_window = sc.trainer.sync_every / sc.trainer.steps
         paced_window_s = paced_s * per_window  # trainer paced by the budget
@@ -169,8 +176,23 @@ def _cohort_clock(sorted_lengths: np.ndarray, cohort: int, decode: DecodeCost, p
     return np.concatenate(([0.0], np.cumsum(step)))
 
 
+def _lone_group_s(lengths: np.ndarray, decode: DecodeCost, prompt: float) -> np.ndarray:
+    """Seconds each group takes to decode alone on an engine: the fastest it can finish, since
+    groups are routed whole and any other sequence on the engine only slows a step. Step i
+    runs the B(i) members longer than i, holding B(i) (prompt + i) context tokens; between two
+    members' lengths B is constant, so the sum is closed-form per segment."""
+    ends = np.sort(lengths, axis=1).astype(np.float64)
+    starts = np.concatenate((np.zeros((len(ends), 1)), ends[:, :-1]), axis=1)
+    seg = ends - starts
+    running = np.arange(ends.shape[1], 0, -1, dtype=np.float64)  # members alive in each segment
+    steps = seg * decode.base_s_many(running)
+    context = seg * prompt + (starts + ends - 1.0) * seg / 2.0
+    return (steps + decode.kv_s_per_token * running * context).sum(axis=1)
+
+
 def _budget_paced_run(sc: Scenario, lengths: np.ndarray, reach: np.ndarray, decode: DecodeCost, engines: int,
-                      train: TrainCost, transfer: float, lead: float, abort: bool) -> tuple[float, float]:
+                      train: TrainCost, transfer: float, lead: float, abort: bool,
+                      draw: tuple[float, float] | None = None) -> tuple[float, float]:
     """Seconds the run takes when only the staleness budget and training pace it, and the
     seconds of it the trainer is busy (steps and transfers).
 
@@ -187,8 +209,7 @@ def _budget_paced_run(sc: Scenario, lengths: np.ndarray, reach: np.ndarray, deco
     ring = deque(maxlen=sc.replay.capacity_groups) if sc.replay.enabled else None  # groups the replay ring holds
     window_groups = sc.window / n
     plan = sc.trainer.steps * per_step + warm_up
-    longest = lengths.max(axis=1)
-    finish_offset = prefill + reach[longest]
+    finish_offset = prefill + _lone_group_s(lengths, decode, p)
     tokens = (p + lengths).sum(axis=1).astype(np.float64)
     tokens_sq = ((p + lengths).astype(np.float64) ** 2).sum(axis=1)
     started = np.zeros(len(lengths))  # when the group's cohort clock started, pauses included
@@ -210,6 +231,8 @@ def _budget_paced_run(sc: Scenario, lengths: np.ndarray, reach: np.ndarray, deco
         idx = [g for _, g in batch]
         if ring is None:
             dt = train.step_s(float(tokens[idx].sum()), float(tokens_sq[idx].sum()))
+        elif draw is not None:  # the run's own draw, each step at its mean
+            dt = train.step_s(trained_groups * n * draw[0], trained_groups * n * draw[1])
         else:  # the step trains a draw from the ring: priced at the ring's mean group
             ring.extend(idx)
             dt = train.step_s(trained_groups * float(tokens[ring].mean()), trained_groups * float(tokens_sq[ring].mean()))
