@@ -30,6 +30,7 @@ from core.runtimes.inproc import RunStopped
 from core.runtimes.ray import cluster
 from core.runtimes.run_checkpoint import load_run, scenario_digest
 from core.store.checkpoint import CheckpointError
+from core.model.owned import remove_owned
 from harness import report
 from harness.console import ModeProgress, comparison_table, faults_table, honesty_lines, implied_mfu_lines, published_table
 from harness.gpu_sampler import NvmlSampler
@@ -87,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if in_place:
         # A run that may stop and resume is written where it stays, its resolved scenario first.
         if args.resume is None:
-            if out.exists():
-                shutil.rmtree(out)
+            remove_owned(out, ("summary.json",))
             out.mkdir(parents=True)
             report.write_json(out / SCENARIO_FILE, first.model_dump(mode="json"))
         staging = out
@@ -112,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             summary = report.variants_summary(first, {v.label: (summaries[v.label], v.published) for v in variants})
         report.write_json(staging / "summary.json", summary)
         if not in_place:
-            if out.exists():
-                shutil.rmtree(out)
+            remove_owned(out, ("summary.json",))
             staging.rename(out)
     except RunStopped as exc:
         console.print(f"{exc}; its checkpoints are in {out}. Go on with: python -m harness.run --resume {out}", highlight=False)

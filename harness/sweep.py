@@ -40,6 +40,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from core.model.config import ConfigError, Placement, Scenario, set_dotted, with_changes
 from core.runtimes.dispatch import run_mode
+from core.model.owned import remove_owned
 from harness import report
 from harness.console import sweep_table
 from harness.metrics import collect
@@ -503,8 +504,7 @@ def main(args, console: Console, err: Console) -> int:
             files.append("heatmap.png")
         timing["wall_s"] = time.perf_counter() - t0
         report.write_json(staging / "sweep.json", sweep_json(sweep, rows, best, timing))
-        if out.exists():
-            shutil.rmtree(out)
+        remove_owned(out, ("sweep.json",))
         staging.rename(out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

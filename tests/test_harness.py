@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from core.model.owned import NotOwned, remove_owned
+from core.real.tiny_model import build
 from harness.metrics import WALL_CLOCK_KEYS
 from harness.run import main
 from harness.scenario import ScenarioError, load, load_variants
@@ -162,3 +164,19 @@ def test_a_bad_variant_names_the_variant(tmp_path):
     path.write_text("variants:\n  a:\n    set: {trainer.steps: 0}\n")
     with pytest.raises(ScenarioError, match=r"v.yaml: variants.a.set: trainer.steps = 0"):
         load_variants(path)
+
+
+def test_a_directory_without_asyncrl_s_stamp_is_never_removed(tmp_path):
+    mine = tmp_path / "user"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("keep me")
+    with pytest.raises(NotOwned):
+        remove_owned(mine, ("summary.json",))
+    with pytest.raises(NotOwned):
+        build(mine)  # a model path that already holds the user's files
+    assert (mine / "thesis.tex").read_text() == "keep me"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "the build's staging directory is gone"
+    (mine / "summary.json").write_text("{}")
+    remove_owned(mine, ("summary.json",))
+    assert not mine.exists()
+    remove_owned(mine, ("summary.json",))  # already gone: nothing to do

@@ -22,6 +22,7 @@ import threading
 from pathlib import Path
 
 from core.model.config import TinyModelSpec
+from core.model.owned import remove_owned
 from core.real.task import EOS, PAD, BOS, SPECIAL, corpus
 
 log = logging.getLogger(__name__)
@@ -67,8 +68,7 @@ def build(out: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
         model = Qwen2ForCausalLM(cfg)
         model.save_pretrained(tmp)
         (tmp / STAMP).write_text(json.dumps({"build": BUILD_VERSION, "spec": _built_from(spec)}, sort_keys=True))
-        if out.exists():
-            shutil.rmtree(out)
+        remove_owned(out, (STAMP,))  # an older build of ours; anything else at that path is the user's
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
