@@ -34,6 +34,7 @@ import numpy as np
 
 from core.model.group_wire import from_record, to_record
 from core.model.sample import Group
+from core.model.owned import remove_owned
 from ext import codec
 
 MAGIC = b"\x89ARLCKP\n"
@@ -188,15 +189,14 @@ def save(root: Path, step: int, snap: Snapshot, tensors: Optional[dict[str, dict
             from safetensors.numpy import save as st_save
 
             write_atomic(tmp / f"{stem}.safetensors", st_save({k: np.ascontiguousarray(v) for k, v in tens.items()}))
-        if final.exists():
-            _remove(final)
+        remove_owned(final, (STATE_FILE,))
         os.rename(tmp, final)
         fsync_dir(root)
     except BaseException:
         _remove(tmp)
         raise
     for old in checkpoints(root)[:-keep]:
-        _remove(old)
+        remove_owned(old, (STATE_FILE,))
     return final
 
 
