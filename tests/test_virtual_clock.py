@@ -65,6 +65,36 @@ def test_timers_fire_in_time_order_ties_first_scheduled_first_and_cancelled_ones
     assert fired == [("first", 1.0), ("handle", 5.0), ("light", 5.0)]
 
 
+def test_light_timers_run_in_the_iteration_asyncio_would_run_them_and_can_be_set_again():
+    fired, ticks = [], []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+
+        def first():
+            fired.append(("first", loop.time()))
+            loop.call_soon(lambda: fired.append(("soon", loop.time())))
+
+        def tick():
+            ticks.append(loop.time())
+            if len(ticks) < 3:
+                loop.rearm_light(timer, loop.time() + 1.0)
+
+        loop.call_at_light(1.0, first)
+        # Within the clock's resolution: the same iteration, at the same time, before "soon".
+        loop.call_at_light(1.0 + 1e-10, lambda: fired.append(("same iteration", loop.time())))
+        timer = loop.call_at_light(2.0, tick)
+        gone = loop.call_at_light(3.0, lambda: None)
+        gone.cancel()
+        await asyncio.sleep(10.0)
+        with pytest.raises(RuntimeError, match="has run and was not cancelled"):
+            loop.rearm_light(gone, 11.0)
+
+    virtual_clock.run(main())
+    assert fired == [("first", 1.0), ("same iteration", 1.0), ("soon", 1.0)]
+    assert ticks == [2.0, 3.0, 4.0]
+
+
 def test_a_supervised_call_times_out_at_its_deadline_and_others_do_not():
     class Slow:
         name = "slow"
