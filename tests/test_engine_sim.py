@@ -8,7 +8,7 @@ import pytest
 from core.sim import virtual_clock
 from core.model.config import Scenario, with_changes
 from core.sim.costs import DecodeCost
-from core.sim.engine import SimEngine
+from core.sim.engine import SimEngine, _terms
 from core.model.sample import Group, Sample
 from core.sim.workload import Workload
 from core.runtimes.dispatch import run_mode
@@ -197,3 +197,21 @@ def test_a_small_kv_cache_preempts_and_every_response_still_finishes_whole():
             assert tight["tokens/trained_response"] == ample["tokens/trained_response"]
             assert tight["tokens/prefill"] == ample["tokens/prefill"] + tight["tokens/recomputed_prefill"]
             assert small_run.end_s > ample_run.end_s
+
+
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_the_event_paths_step_terms_are_the_cost_models_floats(calibrated):
+    """The engine's tables of step terms stand in for ``DecodeCost.step_s`` on its hottest path:
+    they must give the very same floats, or a simulation's figures move."""
+    cost = DecodeCost(Scenario(), 4)
+    if calibrated:  # the calibrated form: no roofline terms, measured coefficients
+        cost.overhead_s, cost.weights_s, cost.per_seq_compute_s = 0.011, 0.0, 3.3e-5
+        cost.allreduce_fixed_s = cost.allreduce_per_seq_s = 0.0
+        cost.kv_s_per_token = 7.1e-9
+    terms = _terms(cost)
+    terms.grow(300)
+    rng = np.random.default_rng(0)
+    for b in range(1, 300):
+        c = float(rng.uniform(0, 2e6))
+        assert terms.base[b] + c * terms.kv == cost.step_s(b, c)
+        assert terms.half_kv[b] == 0.5 * cost.kv_s_per_token * b

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import math
+import weakref
 from collections import deque
 from typing import Optional
 
@@ -30,6 +31,37 @@ from core.model.timeline import GENERATE, Timeline
 from core.sim.workload import Workload
 
 _EPS = 1e-9
+_heappop = heapq.heappop
+
+
+class _StepTerms:
+    """A decode step's terms per batch size B, for the event path's closed forms: ``base[B]`` is
+    ``cost.base_s(B)`` and ``half_kv[B]`` is ``0.5 * kv_s_per_token * B``, the very floats the
+    formulas would compute (a step is ``base + C * kv_s_per_token``, as ``DecodeCost.step_s``).
+    One per cost model, shared by its engines: a 512-engine run would otherwise fill 512 tables."""
+
+    __slots__ = ("cost", "kv", "base", "half_kv")
+
+    def __init__(self, cost: DecodeCost) -> None:
+        self.cost = cost
+        self.kv = cost.kv_s_per_token
+        self.base: list[float] = []
+        self.half_kv: list[float] = []
+
+    def grow(self, b: int) -> None:
+        for n in range(len(self.base), b + 1):
+            self.base.append(self.cost.base_s(n))
+            self.half_kv.append(0.5 * self.kv * n)
+
+
+_TERMS: "weakref.WeakKeyDictionary[DecodeCost, _StepTerms]" = weakref.WeakKeyDictionary()
+
+
+def _terms(cost: DecodeCost) -> _StepTerms:
+    t = _TERMS.get(cost)
+    if t is None:
+        t = _TERMS[cost] = _StepTerms(cost)
+    return t
 
 
 class _Waiter:
@@ -85,6 +117,7 @@ class SimEngine:
         self.preemptions = 0  # requests evicted from a full KV cache
         self.recomputed_tokens = 0  # context prefilled again when they came back
         self._cap = cost.kv_capacity_tokens
+        self._terms = _terms(cost)
         self._timer_cap = False  # the pending timer is the KV cache filling up, not a completion
         self._heap: list[tuple[float, int, _Request]] = []
         self._waiting: deque[_Request] = deque()
@@ -95,6 +128,10 @@ class SimEngine:
         self._busy_since: Optional[float] = None
         self._timer: Optional[asyncio.TimerHandle] = None
         self._timer_key = 0.0
+        self._loop: Optional[asyncio.AbstractEventLoop] = None  # where the timer is set, and its call_at
+        self._call_at = None
+        self._light = False  # the loop has light timers (the virtual clock's)
+        self._spent = None  # this engine's light timer once it has run
         # faults (core/runtimes/supervision.py): a slowdown factor, a call that will hang, death until a time
         self.slowdown = 1.0
         self.hang_next: Optional[str] = None
@@ -108,7 +145,8 @@ class SimEngine:
 
         Tokens are appended to the samples in place, tagged with this engine's version.
         """
-        await self._enter("generate")
+        if self.down_until is not None or self.hang_next is not None:  # else _enter returns at once
+            await self._enter("generate")
         todo = group.unfinished()
         if not todo:
             return True
@@ -223,10 +261,6 @@ class SimEngine:
         a = 0.5 * self.cost.kv_s_per_token * b * self.slowdown
         return 2.0 * dt / (tau0 + math.sqrt(tau0 * tau0 + 4.0 * a * dt))
 
-    def _time_for(self, x: float) -> float:
-        b = len(self._heap)
-        return (self.cost.step_s(b, self._C) * x + 0.5 * self.cost.kv_s_per_token * b * x * x) * self.slowdown
-
     def _advance(self, now: float, to_steps: Optional[float] = None) -> None:
         """Move the anchor to ``now`` (or exactly to step ``to_steps``, reached at ``now``)."""
         dt = now - self._t
@@ -242,33 +276,38 @@ class SimEngine:
 
     def _admit(self, now: float) -> None:
         """Move waiting requests into the batch; their prefill stalls the engine."""
-        if not self._waiting or len(self._heap) >= self.max_num_seqs:
+        waiting, heap, most = self._waiting, self._heap, self.max_num_seqs
+        if not waiting or len(heap) >= most:
             return
         stall = 0.0
         prompt_done: set[int] = set()
-        cost = self.cost
+        prefill_s = self.cost.prefill_s
+        slowdown = self.slowdown
         cap = self._cap
-        while self._waiting and len(self._heap) < self.max_num_seqs:
-            req = self._waiting[0]
+        S, C, seq = self._S, self._C, self._seq  # in locals: once per request admitted
+        while waiting and len(heap) < most:
+            req = waiting[0]
+            ctx = req.ctx
             # Its context, and the next token of every running request and of its own.
-            if self._C + req.ctx + len(self._heap) + 1 > cap and self._heap:
+            if C + ctx + len(heap) + 1 > cap and heap:
                 break  # (alone, a request always fits: the scenario check saw to it)
-            self._waiting.popleft()
+            waiting.popleft()
             s = req.sample
             # The group's prompt is prefilled once (prefix caching); resumed tokens are recomputed.
             start = s.n_prompt if s.prompt_id in prompt_done else 0
             prompt_done.add(s.prompt_id)
-            stall += cost.prefill_s(start, req.ctx) * self.slowdown
-            self.prefill_tokens += req.ctx - start
+            stall += prefill_s(start, ctx) * slowdown
+            self.prefill_tokens += ctx - start
             if req.preempted:
                 req.preempted = False
-                self.recomputed_tokens += req.ctx - start
-            req.join = self._S
+                self.recomputed_tokens += ctx - start
+            req.join = S
             if s.started_at != s.started_at:  # NaN: first time in a batch
                 s.started_at = now
-            self._C += req.ctx
-            self._seq += 1
-            heapq.heappush(self._heap, (self._S + req.steps, self._seq, req))
+            C += ctx
+            seq += 1
+            heapq.heappush(heap, (S + req.steps, seq, req))
+        self._C, self._seq = C, seq
         if self._busy_since is None:
             self._busy_since = now
         self._t = max(self._t, now) + stall
@@ -277,42 +316,86 @@ class SimEngine:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if not self._heap:
-            return
-        key = self._heap[0][0]
+        if self._heap:
+            self._schedule(loop)
+
+    def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The timer of the next event, with no timer pending and the batch not empty."""
+        heap = self._heap
+        key = heap[0][0]
+        S = self._S
+        C = self._C
         # The cache fills up before the next completion: C + B * x = cap. (One request alone
         # always fits: the scenario check refuses an engine that cannot hold one sequence.)
-        b = len(self._heap)
-        full = self._S + (self._cap - self._C) / b if b > 1 else math.inf
+        b = len(heap)
+        full = S + (self._cap - C) / b if b > 1 else math.inf
         self._timer_cap = full < key
         if self._timer_cap:
             key = full
         self._timer_key = key
-        # The virtual clock's light timer when there is one (tests may drive an engine on another loop).
-        call_at = getattr(loop, "call_at_light", None) or loop.call_at
-        self._timer = call_at(self._t + self._time_for(key - self._S), self._on_finish)
+        terms = self._terms
+        if b >= len(terms.base):
+            terms.grow(b)
+        # Seconds to step key - S: step_s(b, C) * x + 0.5 * kv * b * x**2, in the order it was always computed.
+        x = key - S
+        when = self._t + ((terms.base[b] + C * terms.kv) * x + terms.half_kv[b] * x * x) * self.slowdown
+        if loop is not self._loop:
+            self._loop = loop
+            self._spent = None
+            # The virtual clock's light timer when there is one (tests may drive an engine on another loop).
+            self._light = hasattr(loop, "rearm_light")
+            self._call_at = loop.call_at_light if self._light else loop.call_at
+        if self._spent is not None:  # the light timer that just ran, set again
+            self._timer = self._loop.rearm_light(self._spent, when)
+            self._spent = None
+        else:
+            self._timer = self._call_at(when, self._on_finish)
 
     def _on_finish(self) -> None:
-        loop = asyncio.get_running_loop()
+        # The hottest path of a simulation (one call per completion): _advance, _emit and
+        # _release are spelled out here.
+        loop = self._loop  # the one its timer was set on
+        if self._light:
+            self._spent = self._timer  # free to be set again
         self._timer = None
         now = loop.time()
-        key = self._timer_key
-        if now > self._t:
-            self._advance(now, to_steps=key)
         heap = self._heap
+        if now > self._t:  # _advance(now, to_steps=self._timer_key)
+            b = len(heap)
+            if b:
+                x = self._timer_key - self._S
+                self._S += x
+                self._C += b * x
+                self.seq_s += b * (now - self._t)
+            self._t = now
         if self._timer_cap:
             self._preempt()
-        while heap and heap[0][0] <= self._S + _EPS:
-            _, _, req = heapq.heappop(heap)
-            self._C -= req.ctx + req.steps
-            self._emit(req, req.steps, finished_at=now)
-            self._release(req.waiter, aborted=False)
-        if not heap:
+        limit = self._S + _EPS
+        version = self.version
+        while heap and heap[0][0] <= limit:
+            req = _heappop(heap)[2]
+            n = req.steps
+            self._C -= req.ctx + n
+            if n > 0:
+                self.tokens_generated += n
+            waiter = req.waiter
+            waiter.emits.append((req.sample, n, version, True, now))
+            waiter.pending -= 1
+            if waiter.pending == 0 and not waiter.future.done():
+                _apply(waiter.emits)
+                waiter.future.set_result(not waiter.aborted)
+        if heap:
+            if self._waiting:
+                self._admit(now)
+            self._schedule(loop)
+        else:
             self._C = 0.0
-        self._admit(now)
-        if not heap:
-            self._idle(now)
-        self._reschedule(loop)
+            if self._waiting:
+                self._admit(now)
+            if heap:
+                self._schedule(loop)
+            else:
+                self._idle(now)
 
     def _preempt(self) -> None:
         """Free the KV of the most recently admitted request and queue it first to come back
