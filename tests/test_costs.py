@@ -8,7 +8,7 @@ import pytest
 
 from core.model.config import Scenario, with_changes
 from core.runtimes.dispatch import run_mode
-from core.sim.costs import DecodeCost, TrainCost, TransferCost, allreduce_s, colocated_switch_s, matmul_params
+from core.sim.costs import DecodeCost, TrainCost, TransferCost, allreduce_s, colocated_switch_s, dp_comm_s, matmul_params
 from harness.metrics import implied_mfu
 
 QWEN_EMBEDDING = 152064 * 3584
@@ -50,6 +50,24 @@ def test_trainer_efficiency_per_placement():
     sync, asyn = run_mode(small, "sync"), run_mode(small, "async")
     assert implied_mfu(sync)["util/implied_trainer_mfu"] == pytest.approx(0.2)
     assert implied_mfu(asyn)["util/implied_trainer_mfu"] == pytest.approx(0.5)
+
+
+def test_data_parallel_collectives_per_optimizer_step_and_flat_in_the_gpus():
+    sc = Scenario()
+    assert dp_comm_s(sc, 64, True) == 0  # no interconnect given: not priced, as before the term
+    net = with_changes(sc, {"gpu.interconnect_gb_s": 25.0, "trainer.batch_size": 2048, "trainer.minibatch_size": 512})
+    params = sc.model.params_b * 1e9
+    per_step = 4 * params * (2 * 2 + 4)  # 4 optimizer steps: two bf16 gathers and an fp32 reduce-scatter each
+    assert dp_comm_s(net, 16, False) == pytest.approx(15 / 16 * per_step / 25e9)
+    assert dp_comm_s(net, 16, True) - dp_comm_s(net, 16, False) == pytest.approx(15 / 16 * params * 2 / 25e9)
+    # within a node the ring runs over NVLink; one GPU has nothing to exchange
+    assert dp_comm_s(net, 8, False) == pytest.approx(7 / 8 * per_step / (sc.gpu.nvlink_gb_s * 1e9))
+    assert dp_comm_s(net, 1, True) == 0
+    # at a fixed global batch the bytes per GPU do not shrink with more GPUs: the step's fixed part
+    assert dp_comm_s(net, 64, False) / dp_comm_s(net, 16, False) == pytest.approx((63 / 64) / (15 / 16))
+    t16, t64 = TrainCost(net, 16), TrainCost(net, 64)
+    assert t16.fixed_s == pytest.approx(net.trainer.step_overhead_s + t16.comm_s)
+    assert t64.step_s(1e6, 1e9) - t64.fixed_s == pytest.approx((t16.step_s(1e6, 1e9) - t16.fixed_s) / 4)
 
 
 def test_tensor_parallel_allreduce_is_zero_on_one_gpu_and_grows_with_batch():

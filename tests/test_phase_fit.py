@@ -16,28 +16,35 @@ INPUTS = {
 }
 
 
-def _table(truth: dict, rollout: int = 2, trainer: int = 2) -> dict:
-    sc = with_changes(Scenario.model_validate(INPUTS), {"resources.rollout_gpus": rollout, "resources.trainer_gpus": trainer, **truth})
+# Trainers that span nodes, priced with their data-parallel collectives (4 optimizer steps a trainer step).
+ACROSS_NODES = {**INPUTS, "gpu": {"gpus_per_node": 1, "interconnect_gb_s": 25.0},
+                "trainer": {**INPUTS["trainer"], "minibatch_size": 16}}
+
+
+def _table(truth: dict, rollout: int = 2, trainer: int = 2, inputs: dict = INPUTS) -> dict:
+    sc = with_changes(Scenario.model_validate(inputs), {"resources.rollout_gpus": rollout, "resources.trainer_gpus": trainer, **truth})
     setup = {"rollout_gpus": rollout, "trainer_gpus": trainer, "colocated_gpus": rollout + trainer}
     t = phase_times(sc, setup, samples=128)
     colocated = {"gen_s": t["colocated.gen_s"], "old_log_prob_s": t["colocated.old_log_prob_s"],
                  "update_actor_s": t["colocated.update_actor_s"]}
     colocated["step_s"] = sum(colocated.values()) + t["colocated.other_s"]
     setup.update(colocated=colocated, separated={"update_actor_s": t["separated.update_actor_s"]})
-    return {"scenario": INPUTS, "samples_per_step": 128, "fit": "a", "setups": {"a": setup}}
+    return {"scenario": inputs, "samples_per_step": 128, "fit": "a", "setups": {"a": setup}}
 
 
 @pytest.mark.parametrize("truth", [
     {"workload.response_median": 700, "rollout.decode_overhead_s": 0.004, "trainer.colocated_mfu": 0.2, "sync.colocated_switch_s": 6.0},
     {"workload.response_median": 250, "rollout.decode_overhead_s": 0.012, "trainer.colocated_mfu": 0.45, "sync.colocated_switch_s": 0.5},
 ])
-def test_fit_recovers_the_inputs_that_gave_the_phase_times(truth):
-    changes, lines = fit_phases(_table(truth))
+@pytest.mark.parametrize("inputs", [INPUTS, ACROSS_NODES], ids=["one node", "across nodes"])
+def test_fit_recovers_the_inputs_that_gave_the_phase_times(truth, inputs):
+    changes, lines = fit_phases(_table(truth, inputs=inputs))
     assert changes["workload.response_median"] == pytest.approx(truth["workload.response_median"], rel=0.01)
     assert changes["rollout.decode_overhead_s"] == pytest.approx(truth["rollout.decode_overhead_s"], rel=0.02)
     assert changes["trainer.colocated_mfu"] == pytest.approx(truth["trainer.colocated_mfu"], rel=0.02)
     assert changes["sync.colocated_switch_s"] == pytest.approx(truth["sync.colocated_switch_s"], abs=0.01)
     assert any("colocated.gen_s" in line for line in lines)
+    assert any("data-parallel collectives" in line for line in lines) == (inputs is ACROSS_NODES)
 
 
 def test_published_verl_table_is_reproduced_at_its_fitted_setup():

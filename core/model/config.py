@@ -74,6 +74,14 @@ class GpuSpec(_Frozen):
     memory_gb: float = Field(96.0, gt=0)
     """Memory per GPU in GB (NVIDIA H20 datasheet: 96 GB HBM3); with the weights, it sets the
     engines' KV-cache capacity (``kv_capacity_tokens``)."""
+    gpus_per_node: int = Field(8, ge=1)
+    """GPUs joined by NVLink in one node (an HGX H20 board: 8); a data-parallel trainer on more
+    spans nodes, and its collectives run at ``interconnect_gb_s``."""
+    interconnect_gb_s: Optional[float] = Field(None, gt=0)
+    """Bandwidth per GPU between nodes in GB/s that a data-parallel trainer's collectives reach
+    (e.g. 25 for one 200 Gb/s NIC per GPU, 50 for 400 Gb/s). Given, a sharded trainer's weight
+    gathers and gradient reduction are priced (``core.sim.costs.dp_comm_s``); None leaves them
+    out, as scenarios written before this field were."""
 
 
 class ResourcesSpec(_Frozen):
@@ -166,6 +174,14 @@ class TrainerSpec(_Frozen):
     """MFU of the trainer when it shares its GPUs with the engines (sync mode); None: trainer.mfu.
     verl's published 16:16 phase times put its colocated trainer at 2.3x fewer samples per
     GPU-second than its separated one (docs/results/2026-11-30-published-predictions.md)."""
+    minibatch_size: Optional[int] = Field(None, ge=1)
+    """Samples per optimizer step (verl: ppo_mini_batch_size x rollout.n); a trainer step of
+    ``batch_size`` samples takes batch_size / minibatch_size of them, each gathering the sharded
+    weights and reducing the gradients once (priced only with ``gpu.interconnect_gb_s``). None:
+    one optimizer step per trainer step."""
+    grad_reduce_bytes: int = Field(4, ge=1, le=8)
+    """Bytes per gradient element in the data-parallel reduction (verl FSDP mixed precision:
+    reduce_dtype float32)."""
     activation_recompute: bool = False
     """Gradient checkpointing: the backward recomputes the forward, 4 forward passes per sample
     instead of 3 (verl DAPO recipes: enable_gradient_checkpointing True; AReaL: gradient_checkpointing
@@ -547,6 +563,11 @@ class Scenario(_Frozen):
                 "sync mode colocates all GPUs, which must divide into engines of resources.gpus_per_engine",
                 f"make rollout_gpus + trainer_gpus a multiple of {r.gpus_per_engine}",
             )
+        mb = self.trainer.minibatch_size
+        if mb is not None and (mb > bs or bs % mb):
+            k = next((k for k in range(max(1, bs // mb), bs // mb + 1000) if bs % k == 0), 1)
+            raise ConfigError("trainer.minibatch_size", mb, f"does not divide trainer.batch_size = {bs} into optimizer steps",
+                              f"use a divisor of {bs}, such as {bs // k}")
         mc = self.rollout.max_concurrency
         if mc is not None and mc < n:
             raise ConfigError("rollout.max_concurrency", mc, "cannot hold one group", f"use at least workload.group_size = {n}")

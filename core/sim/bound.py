@@ -135,7 +135,7 @@ def pipeline_bound(
     mean_t2 = p * p + 2 * p * mean_l + mean_l2
     if draw is not None and sc.replay.enabled:
         mean_t, mean_t2 = draw
-    train_per_sample = train.sample_flops(mean_t, mean_t2) / train.flops + train.overhead_s / sc.trainer.batch_size
+    train_per_sample = train.sample_flops(mean_t, mean_t2) / train.flops + train.fixed_s / sc.trainer.batch_size
     transfer = TransferCost(sc, colocated=place.colocated).seconds()
 
     if place.colocated:

@@ -86,7 +86,8 @@ class DecodeCost:
 
 
 class TrainCost:
-    """Time of one trainer step: forward + backward FLOPs over the batch at a stated MFU.
+    """Time of one trainer step: forward + backward FLOPs over the batch at a stated MFU, plus a
+    fixed part: ``trainer.step_overhead_s`` and the data-parallel collectives (``dp_comm_s``).
 
     Forward + backward is 3 forwards; recomputing log-probs first adds one more, and
     activation recompute (gradient checkpointing) one more in the backward. ``colocated``: the
@@ -104,6 +105,8 @@ class TrainCost:
         mfu = t.colocated_mfu if colocated and t.colocated_mfu is not None else t.mfu
         self.flops = self.peak_flops * mfu
         self.overhead_s = t.step_overhead_s
+        self.comm_s = dp_comm_s(sc, gpus, recompute_logprobs)
+        self.fixed_s = self.overhead_s + self.comm_s  # per step, whatever it trains
         # Calibrated (harness/calibrate.py): the measured step, overhead included (where it was
         # measured all of it ran on the devices), scaled from the devices it was measured on by
         # the measured (else linear) speed-up.
@@ -123,7 +126,28 @@ class TrainCost:
         if self.calibrated is not None:
             cal = self.calibrated
             return (cal.train_overhead_s + cal.train_s_per_token * tokens + cal.train_s_per_token_sq * tokens_sq) * self.calibrated_scale
-        return self.overhead_s + self.sample_flops(tokens, tokens_sq) / self.flops
+        return self.fixed_s + self.sample_flops(tokens, tokens_sq) / self.flops
+
+
+def dp_comm_s(sc: Scenario, gpus: int, logprob_pass: bool) -> float:
+    """Seconds per trainer step of a sharded data-parallel trainer's collectives (FSDP / ZeRO-3):
+    each optimizer step gathers the weights for the forward and again for the backward and
+    reduce-scatters the gradients; a log-prob recompute gathers them once more. A ring moves
+    (g - 1) / g of the bytes per GPU, over NVLink within a node, else ``gpu.interconnect_gb_s``.
+
+    At a fixed global batch these bytes do not shrink with more GPUs while each GPU's compute
+    does, so they are priced whole, not hidden behind compute: the upper end of what overlap
+    leaves exposed. 0 without ``gpu.interconnect_gb_s`` or on one GPU."""
+    g, m, t = sc.gpu, sc.model, sc.trainer
+    if g.interconnect_gb_s is None or gpus <= 1:
+        return 0.0
+    bw = (g.nvlink_gb_s if gpus <= g.gpus_per_node else g.interconnect_gb_s) * 1e9
+    params = m.params_b * 1e9
+    optimizer_steps = t.batch_size // (t.minibatch_size or t.batch_size)
+    moved = optimizer_steps * params * (2 * m.dtype_bytes + t.grad_reduce_bytes)
+    if logprob_pass:
+        moved += params * m.dtype_bytes
+    return (gpus - 1) / gpus * moved / bw
 
 
 class TransferCost:

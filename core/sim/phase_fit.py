@@ -30,7 +30,7 @@ import math
 import numpy as np
 
 from core.model.config import Scenario, with_changes
-from core.sim.costs import DecodeCost, TrainCost, TransferCost
+from core.sim.costs import DecodeCost, TrainCost, TransferCost, dp_comm_s
 from core.sim.workload import Workload
 
 # Windows whose times are averaged: a fit to one window would fit that window's tail.
@@ -83,12 +83,13 @@ def phase_times(sc: Scenario, setup: dict, samples: int) -> dict[str, float]:
     engines = g // sc.resources.gpus_per_engine
     gen = float(np.mean([window_generate_s(colo, engines, i * groups, groups) for i in range(WINDOWS)]))
     train_s = TrainCost(sc, setup["trainer_gpus"], recompute_logprobs=False, colocated=False)
+    logprob_comm = steps * (dp_comm_s(colo, g, True) - dp_comm_s(colo, g, False))
     return {
         "colocated.gen_s": gen,
-        "colocated.old_log_prob_s": flops_s / train_c.passes,
-        "colocated.update_actor_s": flops_s * (1 - 1 / train_c.passes) + steps * train_c.overhead_s,
+        "colocated.old_log_prob_s": flops_s / train_c.passes + logprob_comm,
+        "colocated.update_actor_s": flops_s * (1 - 1 / train_c.passes) + steps * train_c.fixed_s - logprob_comm,
         "colocated.other_s": TransferCost(colo, colocated=True).seconds(),
-        "separated.update_actor_s": steps * train_s.overhead_s + train_s.sample_flops(tokens, tokens_sq) / train_s.flops,
+        "separated.update_actor_s": steps * train_s.fixed_s + train_s.sample_flops(tokens, tokens_sq) / train_s.flops,
     }
 
 
@@ -138,7 +139,11 @@ def fit_phases(table: dict) -> tuple[dict[str, object], list[str]]:
     steps = samples / sc.trainer.batch_size
     tokens, tokens_sq = _window_tokens(fitted, samples)
     train_c = TrainCost(fitted, g, recompute_logprobs=True, colocated=True)
-    busy = colo["update_actor_s"] + colo["old_log_prob_s"] - steps * train_c.overhead_s
+    busy = colo["update_actor_s"] + colo["old_log_prob_s"] - steps * train_c.fixed_s
+    if busy <= 0:
+        lines.append(f"NO FIT: the colocated update and log-prob ({colo['update_actor_s'] + colo['old_log_prob_s']:.2f} s) are shorter "
+                     f"than their fixed costs ({steps * train_c.fixed_s:.2f} s): the assumed interconnect or step overhead cannot be right")
+        busy = 1e-9
     colocated_mfu = train_c.sample_flops(tokens, tokens_sq) / (train_c.peak_flops * busy)
     changes: dict[str, object] = {
         "workload.response_median": max(1, round(median)),
@@ -153,6 +158,12 @@ def fit_phases(table: dict) -> tuple[dict[str, object], list[str]]:
     changes["sync.colocated_switch_s"] = round(switch, 3)
     fitted = with_changes(fitted, {"sync.colocated_switch_s": changes["sync.colocated_switch_s"]})
 
+    if sc.gpu.interconnect_gb_s is not None:
+        sep_comm = steps * TrainCost(fitted, setup["trainer_gpus"]).comm_s
+        lines.append(f"data-parallel collectives (assumed gpu.interconnect_gb_s {sc.gpu.interconnect_gb_s:g}, "
+                     f"{samples // (sc.trainer.minibatch_size or sc.trainer.batch_size)} optimizer steps): "
+                     f"{sep_comm:.2f} s of the separated update on {setup['trainer_gpus']} GPUs, "
+                     f"{steps * train_c.comm_s:.2f} s of the colocated update and log-prob on {g}")
     mean_t = tokens / samples
     if median <= 1.0 or median >= sc.workload.max_response_len:
         lines.append(f"NO FIT: no response median gives the separated update's {sep['update_actor_s']:.2f} s "
@@ -190,4 +201,4 @@ def phase_times_trainer(sc: Scenario, setup: dict, samples: int) -> float:
     steps = samples / sc.trainer.batch_size
     tokens, tokens_sq = _window_tokens(sc, samples)
     t = TrainCost(sc, setup["trainer_gpus"], recompute_logprobs=False, colocated=False)
-    return steps * t.overhead_s + t.sample_flops(tokens, tokens_sq) / t.flops
+    return steps * t.fixed_s + t.sample_flops(tokens, tokens_sq) / t.flops
