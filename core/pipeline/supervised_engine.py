@@ -32,20 +32,33 @@ class _Deadlines:
     the oldest live call ends. A call still running at its deadline has its task cancelled,
     exactly as ``asyncio.timeout`` would, at the same time."""
 
-    __slots__ = ("seconds", "_calls", "_timer", "_armed")
+    __slots__ = ("seconds", "_calls", "_timer", "_armed", "_seq")
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
         self._calls: deque[_Call] = deque()
         self._timer: Optional[asyncio.TimerHandle] = None
         self._armed: Optional[_Call] = None
+        # On the virtual clock, the armed call's timer is set only once the call waits (most
+        # control calls of a simulated engine return at once): meanwhile _timer is None and
+        # _seq holds the timer's place, reserved when the call started.
+        self._seq: Optional[int] = None
 
     def start(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task) -> _Call:
         call = _Call(loop.time() + self.seconds, task)
         self._calls.append(call)
         if self._armed is None:
-            self._arm(loop)
+            reserve = getattr(loop, "reserve_timer", None)
+            if reserve is None:
+                self._arm(loop)
+            else:
+                self._armed, self._seq = call, reserve()
         return call
+
+    def waiting(self, loop: asyncio.AbstractEventLoop, call: _Call) -> None:
+        """``call`` is about to wait: its deadline's timer, if it is the one armed, must be set."""
+        if call is self._armed and self._timer is None:
+            self._timer = loop.call_at_reserved(call.deadline, self._seq, self._expire)
 
     def end(self, call: _Call) -> None:
         call.done = True
@@ -55,8 +68,11 @@ class _Deadlines:
                 calls.popleft()
             if calls and calls[0].deadline == call.deadline:
                 self._armed = calls[0]  # calls made together (a sync's): the timer stands
+                if self._timer is None:  # (it was reserved: the next call waits already)
+                    self._timer = asyncio.get_running_loop().call_at_reserved(call.deadline, self._seq, self._expire)
                 return
-            self._timer.cancel()
+            if self._timer is not None:
+                self._timer.cancel()
             self._timer = self._armed = None
             self._arm(asyncio.get_running_loop())
 
@@ -76,6 +92,41 @@ class _Deadlines:
         self._arm(asyncio.get_running_loop())
 
 
+class _SetOnWait:
+    """Awaits ``coro`` as ``await`` would, and has the call's deadline timer set when the
+    coroutine first waits: a call that returns without waiting needs none."""
+
+    __slots__ = ("coro", "deadlines", "entry", "loop")
+
+    def __init__(self, coro, deadlines: _Deadlines, entry: _Call, loop: asyncio.AbstractEventLoop) -> None:
+        self.coro, self.deadlines, self.entry, self.loop = coro, deadlines, entry, loop
+
+    def __await__(self):
+        it = self.coro.__await__()
+        try:
+            fut = it.send(None)
+        except StopIteration as stop:
+            return stop.value
+        self.deadlines.waiting(self.loop, self.entry)
+        # From its first wait on, what ``yield from it`` would do.
+        while True:
+            try:
+                value = yield fut
+            except GeneratorExit:
+                it.close()
+                raise
+            except BaseException as exc:
+                try:
+                    fut = it.throw(exc)
+                except StopIteration as stop:
+                    return stop.value
+            else:
+                try:
+                    fut = it.send(value)
+                except StopIteration as stop:
+                    return stop.value
+
+
 class SupervisedEngine:
     """An engine behind timeouts. A call that does not answer in time raises ``CallTimeout``
     naming the engine and the call; ``recover`` kills what is left of a lost worker, waits
@@ -89,11 +140,14 @@ class SupervisedEngine:
         self.restarts = 0
         self._deadlines = {s: _Deadlines(s) for s in (generate_s, control_s, restart_s)}
 
-    async def _call(self, call: str, coro, seconds: float, key: str):
+    async def _call(self, call: str, coro, seconds: float, key: str, lazy: bool = True):
         loop = asyncio.get_running_loop()
         deadlines = self._deadlines[seconds]
         entry = deadlines.start(loop, asyncio.current_task())
         try:
+            if lazy:
+                return await _SetOnWait(coro, deadlines, entry, loop)
+            deadlines.waiting(loop, entry)
             return await coro
         except asyncio.CancelledError:
             if entry.expired and entry.task.uncancel() <= entry.cancelling:
@@ -104,7 +158,10 @@ class SupervisedEngine:
                 deadlines.end(entry)
 
     async def generate(self, group, max_response_len: int) -> bool:
-        return await self._call("generate", self.engine.generate(group, max_response_len), self.generate_s, "timeouts.generate_s")
+        # A generation always waits: its deadline's timer is set at once, without the wrapper.
+        return await self._call(
+            "generate", self.engine.generate(group, max_response_len), self.generate_s, "timeouts.generate_s", lazy=False
+        )
 
     async def abort_all(self) -> int:
         return await self._call("abort_all", self.engine.abort_all(), self.control_s, "timeouts.control_s")

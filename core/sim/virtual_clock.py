@@ -126,6 +126,22 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
         timer._scheduled = True
         return timer
 
+    def reserve_timer(self) -> int:
+        """The place, among equal times, of a timer set now: ``call_at_reserved`` sets it later
+        in that place. A caller that will need its timer only if it comes to wait (a deadline)
+        keeps the order of timers it would have had, and sets none if it never waits."""
+        return next(self._timer_seq)
+
+    def call_at_reserved(self, when: float, seq: int, callback: Callable[[], None]) -> asyncio.TimerHandle:
+        """``call_at(when, callback)`` in the place ``seq`` that ``reserve_timer`` gave."""
+        self._check_closed()
+        timer = events.TimerHandle(when, callback, (), self, None)
+        if timer._source_traceback:
+            del timer._source_traceback[-1]
+        heapq.heappush(self._timers, (when, seq, timer))
+        timer._scheduled = True
+        return timer
+
     def call_at_light(self, when: float, callback: Callable[[], None]) -> LightTimer:
         """``call_at`` for a callback with no arguments and no context to run in."""
         timer = LightTimer(when, callback, self)
