@@ -112,3 +112,28 @@ def test_a_supervised_call_times_out_at_its_deadline_and_others_do_not():
     results, end = virtual_clock.run(main())
     assert results[0] is True and results[2] is True
     assert isinstance(results[1], CallTimeout) and end == 10.0
+
+
+def test_a_control_call_sets_its_deadline_timer_only_if_it_waits_and_then_times_out_at_its_deadline():
+    class Engine:
+        name = "e"
+
+        async def clear_cache(self):
+            return None
+
+        async def abort_all(self):
+            await asyncio.sleep(60.0)  # hung
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        e = SupervisedEngine(Engine(), generate_s=10.0, control_s=5.0, restart_s=5.0, max_restarts=1)
+        await asyncio.sleep(1.0)
+        for _ in range(3):
+            await e.clear_cache()
+        quiet = [entry for entry in loop._timers if not entry[2].cancelled()]
+        with pytest.raises(CallTimeout):
+            await e.abort_all()
+        return quiet, loop.time()
+
+    quiet, end = virtual_clock.run(main())
+    assert quiet == [] and end == 6.0
