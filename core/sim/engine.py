@@ -145,7 +145,8 @@ class SimEngine:
 
         Tokens are appended to the samples in place, tagged with this engine's version.
         """
-        if self.down_until is not None or self.hang_next is not None:  # else _enter returns at once
+        # Only a fault set on this worker makes _enter do anything: spare the coroutine otherwise.
+        if self.down_until is not None or self.hang_next is not None:
             await self._enter("generate")
         todo = group.unfinished()
         if not todo:
@@ -172,7 +173,8 @@ class SimEngine:
 
     async def abort_all(self) -> int:
         """Interrupt every request; partial tokens stay on their samples. Returns how many."""
-        await self._enter("abort_all")
+        if self.down_until is not None or self.hang_next is not None:
+            await self._enter("abort_all")
         return self._stop_all(aborted=True)
 
     def _stop_all(self, aborted: bool) -> int:
@@ -198,14 +200,16 @@ class SimEngine:
         return n
 
     async def update_weights(self, version: int, weights=None) -> None:
-        await self._enter("update_weights")
+        if self.down_until is not None or self.hang_next is not None:
+            await self._enter("update_weights")
         if self._heap or self._waiting:
             raise RuntimeError(f"{self.name}: update_weights with requests in flight; pause the rollout first")
         self.version = version
 
     async def clear_cache(self) -> None:
         """KV blocks of finished and aborted requests are already free in this model."""
-        await self._enter("clear_cache")
+        if self.down_until is not None or self.hang_next is not None:
+            await self._enter("clear_cache")
 
     # -- faults -----------------------------------------------------------------------------
     async def _enter(self, call: str) -> None:
