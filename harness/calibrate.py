@@ -202,6 +202,7 @@ def sim_scenario(spans: dict, cal: Calibration, lengths_path: str, source: str, 
     wl["prompt_tokens"] = cal.prompt_tokens
     wl["prompt_share"] = round(cal.prompt_share, 4)
     out["calibrated"] = cal.calibrated(source, speedup)
+    out["calibrated"]["decode_placement"] = "colocated" if spans["placement"]["colocated"] else "separated"
     Scenario.model_validate(out)  # what is written runs
     return out
 
@@ -301,15 +302,9 @@ def _probe(spans: dict, cal: Calibration, scenario: dict, speedup: dict[int, flo
         factor, alone_ms, many_ms = engine_contention(
             real, engines, spans["prompt_lens"], cal.response_lens, real.trainer.batch_size // engines, int(np.percentile(lens, 90)))
         console.print(f"probe, decode step of one engine next to a stepping trainer {alone_ms:.2f} ms, of {engines} engines "
-                      f"side by side in one process {many_ms:.2f} ms: the fitted engine costs are divided by {factor:.3f}",
+                      f"side by side in one process {many_ms:.2f} ms: separated engines step {factor:.3f}x as fast",
                       highlight=False)
-        _divide_decode(c, factor)
-
-
-def _divide_decode(c: dict, factor: float) -> None:
-    for k in ("decode_overhead_s", "decode_per_seq_s", "decode_kv_s_per_token", "prefill_s_per_token"):
-        c[k] /= factor
-    c["decode_divided_by"] = factor
+        c["separated_decode_speedup"] = factor
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -319,9 +314,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("-o", "--out", type=Path, help="scenario to write (default RUN_DIR/calibrated.yaml)")
     p.add_argument("--train-speedup", action="append", default=[], metavar="DEVICES=SPEED",
                    help="measured trainer speed on DEVICES devices relative to the fitted mode's (default: linear)")
-    p.add_argument("--decode-divided-by", type=float, metavar="FACTOR",
-                   help="divide the fitted engine costs by this measured factor (what --probe measures: in-process "
-                        "contention of the fitted mode's engines), e.g. from an earlier --probe on this machine")
+    p.add_argument("--separated-decode-speedup", type=float, metavar="FACTOR",
+                   help="how much faster an engine steps next to a trainer than beside the fitted mode's other engines "
+                        "(what --probe measures), e.g. from an earlier --probe on this machine")
     p.add_argument("--probe", action="store_true",
                    help="measure on this machine what the cost model has no term for (harness/probes.py; run it on a "
                         "quiet machine): the trainer's speed-up at every device count the modes use, and in-process "
@@ -356,8 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.source.is_file():
             return _phases(args.source, console)
         speedup = parse_speedup(args.train_speedup)
-        if args.decode_divided_by is not None and not args.decode_divided_by > 0:
-            raise CalibrationError(f"--decode-divided-by {args.decode_divided_by}: must be > 0; fix: give the factor --probe printed")
+        if args.separated_decode_speedup is not None and not args.separated_decode_speedup > 0:
+            raise CalibrationError(f"--separated-decode-speedup {args.separated_decode_speedup}: must be > 0; fix: give the factor --probe printed")
         spans = load_spans(args.source, args.mode)
         cal = fit_spans(spans)
         out = args.out or args.source / "calibrated.yaml"
@@ -379,8 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.probe:
         _probe(spans, cal, scenario, speedup, console)
-    elif args.decode_divided_by is not None:
-        _divide_decode(scenario["calibrated"], args.decode_divided_by)
+    elif args.separated_decode_speedup is not None:
+        scenario["calibrated"]["separated_decode_speedup"] = args.separated_decode_speedup
     out.write_text(f"# Calibrated by: python -m harness.calibrate {' '.join(argv if argv is not None else sys.argv[1:])}\n"
                    + yaml.safe_dump(scenario, sort_keys=False))
     console.print(fit_table(cal))

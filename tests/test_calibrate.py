@@ -220,7 +220,7 @@ def test_calibrate_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
     elif case == "bad-speedup":
         args = [str(_run_dir(tmp_path, spans)), "--train-speedup", "one=fast"]
     elif case == "bad-factor":
-        args = [str(_run_dir(tmp_path, spans)), "--decode-divided-by", "0"]
+        args = [str(_run_dir(tmp_path, spans)), "--separated-decode-speedup", "0"]
     else:
         bad = tmp_path / "phases.yaml"
         bad.write_text({"phases-no-yaml": "a: [unclosed", "phases-not-a-table": "[1, 2]", "phases-missing-key": "fit: x"}[case])

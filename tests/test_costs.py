@@ -143,3 +143,19 @@ def test_implied_mfu_of_a_sim_run():
     with_overhead = implied_mfu(run_mode(with_changes(sc, {"trainer.step_overhead_s": 5.0}), "partial"))
     assert with_overhead["util/implied_trainer_mfu"] < 0.3
     assert not math.isnan(with_overhead["util/implied_rollout_mfu"])
+
+
+@pytest.mark.parametrize("fitted", ["colocated", "separated"])
+def test_calibrated_engine_costs_hold_in_the_fitted_placement_and_scale_in_the_other(fitted):
+    cal = {"decode_overhead_s": 0.004, "decode_per_seq_s": 2e-4, "decode_kv_s_per_token": 3e-6, "prefill_s_per_token": 1e-4,
+           "train_overhead_s": 0.3, "train_s_per_token": 1e-4, "train_s_per_token_sq": 0.0, "train_devices": 2,
+           "transfer_s": 0.01, "decode_placement": fitted, "separated_decode_speedup": 1.5}
+    sc = Scenario.model_validate({"calibrated": cal})
+    same = DecodeCost(sc, 1, colocated=fitted == "colocated")
+    other = DecodeCost(sc, 1, colocated=fitted != "colocated")
+    assert same.step_s(8, 1000) == pytest.approx(0.004 + 8 * 2e-4 + 1000 * 3e-6)
+    assert same.prefill_s(0, 10) == pytest.approx(10 * 1e-4)
+    # separated engines step 1.5x as fast as colocated ones, whichever was measured
+    ratio = 1.5 if fitted == "colocated" else 1 / 1.5
+    assert same.step_s(8, 1000) / other.step_s(8, 1000) == pytest.approx(ratio)
+    assert same.prefill_s(0, 10) / other.prefill_s(0, 10) == pytest.approx(ratio)

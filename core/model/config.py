@@ -470,9 +470,14 @@ class CalibratedSpec(_Frozen):
     a device count not listed scales linearly (the roofline's assumption)."""
     transfer_s: float = Field(ge=0)
     """Seconds from rollout paused to resumed at a weight sync (measured mean)."""
-    decode_divided_by: float = Field(1.0, gt=0)
-    """What the fitted engine costs above were divided by: the measured slowdown of the fitted
-    mode's engines sharing one process (harness/probes.py); 1: as fitted."""
+    decode_placement: Literal["colocated", "separated"] = "colocated"
+    """Where the engine costs above were measured: the fitted mode's placement (sync: colocated;
+    async and partial: separated). Engines of that placement cost what was fitted."""
+    separated_decode_speedup: float = Field(1.0, gt=0)
+    """How much faster an engine steps in the separated placement (one engine next to a trainer)
+    than in the colocated one (the engines side by side in one process), measured on the
+    machine by harness/probes.py; engines of the placement not fitted have their costs scaled
+    by it. 1: the same."""
 
 
 class Scenario(_Frozen):

@@ -26,7 +26,7 @@ def sim_workers(sc: Scenario, mode: str, timeline: Timeline) -> Workers:
     """The sim runtime's workers: engines and trainer on modelled costs."""
     place = Placement.of(sc, mode)
     workload = Workload(sc.workload, sc.seed)
-    decode = DecodeCost(sc, place.gpus_per_engine)
+    decode = DecodeCost(sc, place.gpus_per_engine, colocated=place.colocated)
     engines = [
         SimEngine(f"engine{i:03d}", decode, workload, sc.rollout.max_num_seqs, timeline)
         for i in range(place.engines)

@@ -125,7 +125,7 @@ def pipeline_bound(
     groups = max(1, allowed // w.group_size)
     busy = min(place.engines, groups)
     batch = min(sc.rollout.max_num_seqs, math.ceil(groups / busy) * w.group_size)
-    decode = DecodeCost(sc, place.gpus_per_engine)
+    decode = DecodeCost(sc, place.gpus_per_engine, colocated=place.colocated)
     step = decode.step_s(batch, batch * (p + mean_l2 / (2 * mean_l)))
     prefill = decode.prefill_s(0, w.prompt_tokens)
     rollout = busy / (mean_l * step / batch + prefill / w.group_size)

@@ -36,7 +36,7 @@ class DecodeCost:
     weights (``matmul_params``); allreduce(B) is the tensor-parallel term, 0 on one GPU.
     """
 
-    def __init__(self, sc: Scenario, gpus: int) -> None:
+    def __init__(self, sc: Scenario, gpus: int, colocated: bool = False) -> None:
         m, g, r = sc.model, sc.gpu, sc.rollout
         bw = g.hbm_gb_s * 1e9 * g.hbm_efficiency * gpus
         flops = g.bf16_tflops * 1e12 * gpus
@@ -55,9 +55,14 @@ class DecodeCost:
         cal = sc.calibrated
         self.prefill_s_per_token = None if cal is None else cal.prefill_s_per_token
         if cal is not None:
-            self.overhead_s, self.weights_s, self.per_seq_compute_s = cal.decode_overhead_s, 0.0, cal.decode_per_seq_s
+            # Measured in one placement; the other is faster or slower by the probed factor.
+            fitted_colocated = cal.decode_placement == "colocated"
+            scale = 1.0 if colocated == fitted_colocated else (
+                1.0 / cal.separated_decode_speedup if fitted_colocated else cal.separated_decode_speedup)
+            self.overhead_s, self.weights_s, self.per_seq_compute_s = cal.decode_overhead_s * scale, 0.0, cal.decode_per_seq_s * scale
             self.allreduce_fixed_s = self.allreduce_per_seq_s = 0.0
-            self.kv_s_per_token = cal.decode_kv_s_per_token
+            self.kv_s_per_token = cal.decode_kv_s_per_token * scale
+            self.prefill_s_per_token = cal.prefill_s_per_token * scale
         # KV tokens the engine holds (core/sim/engine.py preempts when they run out).
         self.kv_capacity_tokens = kv_capacity_tokens(sc, gpus)
 

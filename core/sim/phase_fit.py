@@ -44,7 +44,7 @@ def window_generate_s(sc: Scenario, engines: int, first_group: int, groups: int)
     whole groups dealt round-robin to ``engines`` engines that all start at once: each engine
     prefills its prompts, then decodes until its longest response ends, its batch thinning
     as responses finish; the window waits for the slowest engine."""
-    decode = DecodeCost(sc, sc.resources.gpus_per_engine)
+    decode = DecodeCost(sc, sc.resources.gpus_per_engine, colocated=True)
     w = Workload(sc.workload, sc.seed)
     lengths = w.sample_lengths(first_group + groups)[first_group:]
     p = sc.workload.prompt_tokens
