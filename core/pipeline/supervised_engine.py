@@ -60,6 +60,25 @@ class _Deadlines:
         if call is self._armed and self._timer is None:
             self._timer = loop.call_at_reserved(call.deadline, self._seq, self._expire)
 
+    def place(self, loop: asyncio.AbstractEventLoop) -> Optional[int]:
+        """For a call starting now that is entered only if it comes to wait (``enter``): the
+        place its timer would take, reserved now, or None where an older call's timer serves."""
+        return loop.reserve_timer() if self._armed is None else None
+
+    def enter(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task, seq: Optional[int]) -> _Call:
+        """``start`` then ``waiting`` for a call that started earlier in the same step of its task
+        (the clock has not moved, and no other call has started or ended since), with the place
+        ``place`` gave it."""
+        call = _Call(loop.time() + self.seconds, task)
+        self._calls.append(call)
+        if self._armed is None:
+            if seq is None:
+                self._arm(loop)
+            else:
+                self._armed, self._seq = call, seq
+                self._timer = loop.call_at_reserved(call.deadline, seq, self._expire)
+        return call
+
     def end(self, call: _Call) -> None:
         call.done = True
         if call is self._armed:
@@ -93,13 +112,16 @@ class _Deadlines:
 
 
 class _SetOnWait:
-    """Awaits ``coro`` as ``await`` would, and has the call's deadline timer set when the
-    coroutine first waits: a call that returns without waiting needs none."""
+    """Awaits ``coro`` as ``await`` would; only if the coroutine comes to wait is the call
+    entered among its deadlines (``entry``), its timer set in the place reserved at the start.
+    A call that returns without waiting (most control calls to a simulated engine) needs none."""
 
-    __slots__ = ("coro", "deadlines", "entry", "loop")
+    __slots__ = ("coro", "deadlines", "seq", "loop", "entry")
 
-    def __init__(self, coro, deadlines: _Deadlines, entry: _Call, loop: asyncio.AbstractEventLoop) -> None:
-        self.coro, self.deadlines, self.entry, self.loop = coro, deadlines, entry, loop
+    def __init__(self, coro, deadlines: _Deadlines, loop: asyncio.AbstractEventLoop) -> None:
+        self.coro, self.deadlines, self.loop = coro, deadlines, loop
+        self.seq = deadlines.place(loop)
+        self.entry: Optional[_Call] = None
 
     def __await__(self):
         it = self.coro.__await__()
@@ -107,7 +129,7 @@ class _SetOnWait:
             fut = it.send(None)
         except StopIteration as stop:
             return stop.value
-        self.deadlines.waiting(self.loop, self.entry)
+        self.entry = self.deadlines.enter(self.loop, asyncio.current_task(), self.seq)
         # From its first wait on, what ``yield from it`` would do.
         while True:
             try:
@@ -143,10 +165,20 @@ class SupervisedEngine:
     async def _call(self, call: str, coro, seconds: float, key: str, lazy: bool = True):
         loop = asyncio.get_running_loop()
         deadlines = self._deadlines[seconds]
+        if lazy and hasattr(loop, "reserve_timer"):
+            waits = _SetOnWait(coro, deadlines, loop)
+            try:
+                return await waits
+            except asyncio.CancelledError:
+                entry = waits.entry
+                if entry is not None and entry.expired and entry.task.uncancel() <= entry.cancelling:
+                    raise CallTimeout(self.name, call, seconds, key) from None
+                raise
+            finally:
+                if waits.entry is not None and not waits.entry.expired:
+                    deadlines.end(waits.entry)
         entry = deadlines.start(loop, asyncio.current_task())
         try:
-            if lazy:
-                return await _SetOnWait(coro, deadlines, entry, loop)
             deadlines.waiting(loop, entry)
             return await coro
         except asyncio.CancelledError:
