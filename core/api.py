@@ -38,6 +38,10 @@ class Engine(Protocol):
 
     async def clear_cache(self) -> None: ...
 
+    # Optional: ``answers_now() -> bool``, True while abort_all, update_weights and clear_cache
+    # would return without waiting (a simulated engine with no fault set). The Rollouter then
+    # makes those calls one after the other instead of as a task each.
+
     async def recover(self) -> None:
         """After a loss: kill what is left of the worker and wait until it is back."""
 

@@ -30,7 +30,9 @@ from core.store.checkpoint import CheckpointError, Snapshot
 from core.model.config import MODES, ConfigError, Scenario, with_changes
 from core.runtimes.dispatch import run_mode
 from core.runtimes.inproc import RunStopped
+from core.sim.costs import DecodeCost
 from core.sim.engine import SimEngine
+from core.sim.workload import Workload
 from core.model.faults import CallTimeout, RestartsExhausted, WorkerLost
 from core.pipeline.supervised_engine import SupervisedEngine
 from core.model.group_wire import to_record
@@ -899,3 +901,46 @@ def test_a_failed_reward_scores_the_finished_group_again_and_loses_nothing():
     assert [s.reward for s in g.samples] == [1.0, 1.0]
     assert all(s.n_response == 10 for s in g.samples)  # not generated twice
     assert ro.ledger.requeued == 2 and ro.in_flight() == 0
+
+
+class _Answering:
+    """An engine that says its control calls answer at once; ``wait`` makes clear_cache lie."""
+
+    name = "answering"
+
+    def __init__(self, now: bool, wait: bool = False) -> None:
+        self.now, self.wait, self.cleared = now, wait, 0
+
+    def answers_now(self) -> bool:
+        return self.now
+
+    async def clear_cache(self) -> None:
+        if self.wait:
+            await asyncio.sleep(1.0)
+        self.cleared += 1
+
+
+def test_control_calls_run_in_place_only_when_every_engine_answers_at_once():
+    async def main():
+        quick, slow = _Answering(True), _Answering(False)
+        loop, ran = asyncio.get_running_loop(), []
+        r = rollouter([quick, quick])
+        loop.call_soon(ran.append, "other")
+        await r._each_up("clear_cache")  # both called here, in order, without yielding to the loop
+        assert quick.cleared == 2 and ran == []
+        await asyncio.sleep(0)
+        r = rollouter([quick, slow])  # one engine that may wait: every call a task behind its deadline
+        loop.call_soon(ran.append, "other")
+        await r._each_up("clear_cache")
+        assert quick.cleared == 3 and slow.cleared == 1 and ran == ["other", "other"]
+        liar = SupervisedEngine(_Answering(True, wait=True), 100.0, 30.0, 60.0, max_restarts=3)
+        with pytest.raises(RuntimeError, match="waited though the engine answers at once"):
+            liar.call_now("clear_cache")
+
+    virtual_clock.run(main())
+    # a simulated engine answers at once until a fault is set on it
+    sc = Scenario()
+    e = SimEngine("e", DecodeCost(sc, 1), Workload(sc.workload, sc.seed), 4)
+    assert e.answers_now()
+    e.hang_next = "clear_cache"
+    assert not e.answers_now()

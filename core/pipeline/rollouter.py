@@ -14,11 +14,12 @@ import math
 from collections import deque
 from typing import Any, Optional
 
-from core.api import Engine, PauseMode, PromptSource, RewardFn
+from core.api import PauseMode, PromptSource, RewardFn
 from core.model.faults import FaultLog, RestartsExhausted, WorkerLost, worker_key
 from core.model.ledger import Ledger
 from core.model.sample import Group, Sample
 from core.pipeline.staleness_queue import AsyncStalenessQueue
+from core.pipeline.supervised_engine import SupervisedEngine
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ class Rollouter:
     def __init__(
         self,
         *,
-        engines: list[Engine],
+        engines: list[SupervisedEngine],
         queue: AsyncStalenessQueue,
         ledger: Ledger,
         group_size: int,
@@ -273,6 +274,13 @@ class Rollouter:
     async def _each_up(self, call: str, *args: Any) -> None:
         """``call`` on every live engine at once; one that is lost is restarted, not awaited."""
         up = [i for i in range(len(self.engines)) if i not in self._down]
+        engines = self.engines
+        if all(engines[i].answers_now() for i in up):
+            # Nothing can wait: one call after the other, not a task each (at 1,024 GPUs, 512
+            # tasks twice a sync were a tenth of a simulation's CPU).
+            for i in up:
+                engines[i].call_now(call, *args)
+            return
         results = await asyncio.gather(*(getattr(self.engines[i], call)(*args) for i in up), return_exceptions=True)
         for i, r in zip(up, results):
             if isinstance(r, WorkerLost):
@@ -356,4 +364,3 @@ class Rollouter:
     def in_flight(self) -> int:
         """Samples held here: generating, interrupted, or waiting to be generated again."""
         return self._holding + sum(g.size for g in self.cancel_queue) + sum(g.size for g in self.retry_queue)
-

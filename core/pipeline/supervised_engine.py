@@ -161,6 +161,22 @@ class SupervisedEngine:
         self.max_restarts = max_restarts
         self.restarts = 0
         self._deadlines = {s: _Deadlines(s) for s in (generate_s, control_s, restart_s)}
+        self._answers_now = getattr(engine, "answers_now", None)  # optional (core.api.Engine)
+
+    def answers_now(self) -> bool:
+        """The engine's control calls return without waiting: no deadline can fire."""
+        return self._answers_now is not None and self._answers_now()
+
+    def call_now(self, call: str, *args: Any) -> Any:
+        """A control call of an engine that ``answers_now``, run to its end here, with no
+        deadline (it cannot wait) and no task."""
+        coro = getattr(self.engine, call)(*args)
+        try:
+            coro.send(None)
+        except StopIteration as stop:
+            return stop.value
+        coro.close()
+        raise RuntimeError(f"{self.name}: {call} waited though the engine answers at once")
 
     async def _call(self, call: str, coro, seconds: float, key: str, lazy: bool = True):
         loop = asyncio.get_running_loop()

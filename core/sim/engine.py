@@ -199,6 +199,10 @@ class SimEngine:
             self._timer = None
         return n
 
+    def answers_now(self) -> bool:
+        """No fault set: every control call returns without waiting (core.api.Engine)."""
+        return self.down_until is None and self.hang_next is None
+
     async def update_weights(self, version: int, weights=None) -> None:
         if self.down_until is not None or self.hang_next is not None:
             await self._enter("update_weights")
