@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import sys
-import tempfile
 from datetime import datetime
 from pathlib import Path
 
@@ -30,7 +28,7 @@ from core.runtimes.inproc import RunStopped
 from core.runtimes.ray import cluster
 from core.runtimes.run_checkpoint import load_run, scenario_digest
 from core.store.checkpoint import CheckpointError
-from core.model.owned import remove_owned
+from core.model.owned import discard_owned, is_owned, make_owned, remove_owned, replaceable, stamp
 from harness import report
 from harness.console import ModeProgress, comparison_table, faults_table, honesty_lines, implied_mfu_lines, published_table
 from harness.gpu_sampler import NvmlSampler
@@ -88,14 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     if in_place:
         # A run that may stop and resume is written where it stays, its resolved scenario first.
         if args.resume is None:
-            remove_owned(out, ("summary.json",))
+            remove_owned(out, "run")
             out.mkdir(parents=True)
+            stamp(out, "run")
             report.write_json(out / SCENARIO_FILE, first.model_dump(mode="json"))
         staging = out
     else:
         out.parent.mkdir(parents=True, exist_ok=True)
         # Build the run directory aside and move it into place whole: no half-written runs.
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        staging = make_owned(out.parent, f".{out.name}.", "run")
     try:
         env = report.environment()
         summaries = {}
@@ -112,14 +111,14 @@ def main(argv: list[str] | None = None) -> int:
             summary = report.variants_summary(first, {v.label: (summaries[v.label], v.published) for v in variants})
         report.write_json(staging / "summary.json", summary)
         if not in_place:
-            remove_owned(out, ("summary.json",))
+            remove_owned(out, "run")
             staging.rename(out)
     except RunStopped as exc:
         console.print(f"{exc}; its checkpoints are in {out}. Go on with: python -m harness.run --resume {out}", highlight=False)
         return 0
     except BaseException:
         if not in_place:
-            shutil.rmtree(staging, ignore_errors=True)
+            discard_owned(staging, "run")
         raise
     for v in variants:
         title = f"{v.scenario.name} {v.label}" if v.label else v.scenario.name
@@ -150,11 +149,11 @@ def _resumable_run(sc, args) -> bool:
 
 def _check_new_run(variants: list[Variant], out: Path, args) -> None:
     sc = variants[0].scenario
-    if out.exists() and not (out / "summary.json").is_file():
-        # Only an earlier, finished run directory is ever replaced; anything else is the user's.
-        if (out / SCENARIO_FILE).is_file():
+    if not replaceable(out, "run", "summary.json"):
+        # Only a finished run directory asyncrl created and stamped is ever replaced; anything else is the user's.
+        if is_owned(out, "run") and (out / SCENARIO_FILE).is_file():
             raise ScenarioError(f"--out {out}: holds a run that has not finished; fix: --resume {out}, or pass a new directory")
-        raise ScenarioError(f"--out {out}: exists and is not a run directory; fix: pass a new directory")
+        raise ScenarioError(f"--out {out}: exists and is not a run directory asyncrl created; fix: pass a new directory")
     if _resumable_run(sc, args):
         if len(variants) > 1 or variants[0].label is not None:
             raise ScenarioError(f"{args.scenario}: a file of variants is not checkpointed; fix: run one variant's settings as its own scenario")

@@ -24,8 +24,6 @@ import multiprocessing
 import operator
 import os
 import re
-import shutil
-import tempfile
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field, replace
@@ -40,7 +38,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from core.model.config import ConfigError, Placement, Scenario, set_dotted, with_changes
 from core.runtimes.dispatch import run_mode
-from core.model.owned import remove_owned
+from core.model.owned import discard_owned, make_owned, remove_owned, replaceable
 from harness import report
 from harness.console import sweep_table
 from harness.metrics import collect
@@ -455,15 +453,15 @@ def main(args, console: Console, err: Console) -> int:
                 raise ScenarioError(f"{name}: {args.scenario} is a sweep, which is neither checkpointed nor profiled; fix: drop {name}, or run one point's settings as its own scenario")
         sweep = load_sweep(args.scenario, args.overrides)
         out = args.out or Path("runs") / f"{sweep.name}-{datetime.now():%Y%m%d-%H%M%S}"
-        if out.exists() and not (out / "sweep.json").is_file():
-            raise ScenarioError(f"--out {out}: exists and is not a finished sweep's directory; fix: pass a new directory")
+        if not replaceable(out, "sweep", "sweep.json"):
+            raise ScenarioError(f"--out {out}: exists and is not a finished sweep's directory asyncrl created; fix: pass a new directory")
         check_keys(sweep, probe_metrics(sweep))
     except ScenarioError as exc:
         err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         return 2
     out.parent.mkdir(parents=True, exist_ok=True)
     # Built aside and moved into place whole, as harness.run does: no half-written sweeps.
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    staging = make_owned(out.parent, f".{out.name}.", "sweep")
     runnable = sum(p.scenario is not None for p in sweep.points)
     workers = max(1, min(sweep.workers, runnable))
     try:
@@ -504,10 +502,10 @@ def main(args, console: Console, err: Console) -> int:
             files.append("heatmap.png")
         timing["wall_s"] = time.perf_counter() - t0
         report.write_json(staging / "sweep.json", sweep_json(sweep, rows, best, timing))
-        remove_owned(out, ("sweep.json",))
+        remove_owned(out, "sweep")
         staging.rename(out)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        discard_owned(staging, "sweep")
         raise
     console.print(sweep_table(sweep.name, sweep.mode, [(a.name, a.short) for a in sweep.axes], rows, sweep.objective, best))
     where = " under " + ", ".join(c.text for c in sweep.constraints) if sweep.constraints else ""

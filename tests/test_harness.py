@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from core.model.owned import NotOwned, remove_owned
+from core.model.owned import STAMP, NotOwned, discard_owned, remove_owned, replaceable, stamp
 from core.real.tiny_model import build
 from harness.metrics import WALL_CLOCK_KEYS
 from harness.run import main
@@ -124,10 +124,13 @@ def test_out_never_replaces_a_directory_that_is_not_a_run(tmp_path):
     (keep / "notes.txt").write_text("precious")
     assert main([QUICK, "--out", str(keep), "--no-plots", *sets(*SMALL)]) == 2
     assert (keep / "notes.txt").read_text() == "precious"
+    (keep / "summary.json").write_text("{}")  # the user's own file of that name makes it no run of ours
+    assert main([QUICK, "--out", str(keep), "--no-plots", *sets(*SMALL)]) == 2
+    assert sorted(p.name for p in keep.iterdir()) == ["notes.txt", "summary.json"]
     run = tmp_path / "run"
     assert main([QUICK, "--out", str(run), "--no-plots", *sets(*SMALL, "modes=[async]")]) == 0
     assert main([QUICK, "--out", str(run), "--no-plots", *sets(*SMALL, "modes=[partial]")]) == 0
-    assert sorted(p.name for p in run.iterdir()) == ["partial", "summary.json"]
+    assert sorted(p.name for p in run.iterdir()) == [STAMP, "partial", "summary.json"]
 
 
 def test_missing_file_names_it(tmp_path):
@@ -171,12 +174,36 @@ def test_a_directory_without_asyncrl_s_stamp_is_never_removed(tmp_path):
     mine.mkdir()
     (mine / "thesis.tex").write_text("keep me")
     with pytest.raises(NotOwned):
-        remove_owned(mine, ("summary.json",))
+        remove_owned(mine, "run")
     with pytest.raises(NotOwned):
         build(mine)  # a model path that already holds the user's files
     assert (mine / "thesis.tex").read_text() == "keep me"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "the build's staging directory is gone"
-    (mine / "summary.json").write_text("{}")
-    remove_owned(mine, ("summary.json",))
+    (mine / "summary.json").write_text("{}")  # a file of the name asyncrl writes is no stamp
+    with pytest.raises(NotOwned):
+        remove_owned(mine, "run")
+    (mine / STAMP).write_text("asyncrl")  # nor is a stamp file asyncrl did not write
+    with pytest.raises(NotOwned):
+        remove_owned(mine, "run")
+    stamp(mine, "sweep")  # a stamp of another kind
+    with pytest.raises(NotOwned):
+        remove_owned(mine, "run")
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    assert not replaceable(link, "sweep", "summary.json")
+    with pytest.raises(NotOwned):
+        remove_owned(link, "sweep")  # a link is never followed into a removal
+    assert (mine / "thesis.tex").is_file()
+    discard_owned(mine, "run")  # cleanup after a failure leaves what it does not own, silently
+    assert (mine / "thesis.tex").is_file()
+    assert replaceable(mine, "sweep", "summary.json") and not replaceable(mine, "run", "summary.json")
+    remove_owned(mine, "sweep")
     assert not mine.exists()
-    remove_owned(mine, ("summary.json",))  # already gone: nothing to do
+    remove_owned(mine, "sweep")  # already gone: nothing to do
+
+
+def test_only_the_ownership_gate_removes_directories():
+    roots = [Path(__file__).resolve().parent.parent / d for d in ("core", "harness")]
+    calls = [(p, n) for r in roots for p in r.rglob("*.py") for n, line in enumerate(p.read_text().splitlines(), 1)
+             if "rmtree(" in line and not line.lstrip().startswith("#")]
+    assert [p.name for p, _ in calls] == ["owned.py"], calls

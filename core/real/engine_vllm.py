@@ -16,13 +16,12 @@ import asyncio
 import itertools
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
+from core.model.owned import discard_owned, make_owned
 from core.model.sample import Group, Sample
 from core.real.engine_meter import EngineMeter
 from core.model.timeline import Timeline
@@ -181,12 +180,15 @@ class VllmEngine(EngineMeter):
             raise RuntimeError(f"{self.name}: update_weights with requests in flight; pause the rollout first")
         if weights is not None:
             root = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            wdir = tempfile.mkdtemp(prefix=f"asyncrl-{self.name}-w{version}-", dir=root)
+            # The weights in a subdirectory of a stamped one: vLLM reads every file it is given.
+            owned = make_owned(root, f"asyncrl-{self.name}-w{version}-", "weights")
+            wdir = str(owned / "weights")
             try:
+                os.mkdir(wdir)
                 await asyncio.to_thread(_save, weights, wdir, self._tied)
                 await self._engine.collective_rpc("reload_weights", kwargs={"weights_path": wdir})
             finally:
-                shutil.rmtree(wdir, ignore_errors=True)
+                discard_owned(owned, "weights")
             # Cached prefixes hold KV of the old weights.
             await self.clear_cache()
         self.version = version

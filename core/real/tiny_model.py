@@ -15,14 +15,12 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
 from core.model.config import TinyModelSpec
-from core.model.owned import remove_owned
+from core.model.owned import discard_owned, make_owned, remove_owned
 from core.real.task import EOS, PAD, BOS, SPECIAL, corpus
 
 log = logging.getLogger(__name__)
@@ -40,7 +38,7 @@ def build(out: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = make_owned(out.parent, f".{out.name}.", "tiny-model")
     try:
         tok = Tokenizer(models.WordLevel(unk_token=PAD))
         tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -68,10 +66,10 @@ def build(out: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
         model = Qwen2ForCausalLM(cfg)
         model.save_pretrained(tmp)
         (tmp / STAMP).write_text(json.dumps({"build": BUILD_VERSION, "spec": _built_from(spec)}, sort_keys=True))
-        remove_owned(out, (STAMP,))  # an older build of ours; anything else at that path is the user's
+        remove_owned(out, "tiny-model")  # an older build of ours; anything else at that path is the user's
         os.replace(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard_owned(tmp, "tiny-model")
         raise
     log.info("built tiny model in %s (%d parameters)", out, sum(p.numel() for p in model.parameters()))
     return out

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
+import logging
 import os
 import struct
 import tempfile
@@ -34,8 +34,10 @@ import numpy as np
 
 from core.model.group_wire import from_record, to_record
 from core.model.sample import Group
-from core.model.owned import remove_owned
+from core.model.owned import discard_owned, is_owned, make_owned, remove_owned
 from ext import codec
+
+log = logging.getLogger(__name__)
 
 MAGIC = b"\x89ARLCKP\n"
 FORMAT_VERSION = 1
@@ -182,26 +184,25 @@ def save(root: Path, step: int, snap: Snapshot, tensors: Optional[dict[str, dict
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    tmp = make_owned(root, f".{final.name}.", "checkpoint")
     try:
         write_atomic(tmp / STATE_FILE, encode(snap))
         for stem, tens in (tensors or {}).items():
             from safetensors.numpy import save as st_save
 
             write_atomic(tmp / f"{stem}.safetensors", st_save({k: np.ascontiguousarray(v) for k, v in tens.items()}))
-        remove_owned(final, (STATE_FILE,))
+        remove_owned(final, "checkpoint")
         os.rename(tmp, final)
         fsync_dir(root)
     except BaseException:
-        _remove(tmp)
+        discard_owned(tmp, "checkpoint")
         raise
     for old in checkpoints(root)[:-keep]:
-        remove_owned(old, (STATE_FILE,))
+        if is_owned(old, "checkpoint"):
+            remove_owned(old, "checkpoint")
+        else:  # written before checkpoints were stamped, or not by asyncrl: never removed
+            log.warning("%s: not stamped as asyncrl's checkpoint; left in place", old)
     return final
-
-
-def _remove(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def checkpoints(root: Path) -> list[Path]:
