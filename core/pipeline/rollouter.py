@@ -281,7 +281,7 @@ class Rollouter:
             for i in up:
                 engines[i].call_now(call, *args)
             return
-        results = await asyncio.gather(*(getattr(self.engines[i], call)(*args) for i in up), return_exceptions=True)
+        results = await asyncio.gather(*(getattr(engines[i], call)(*args) for i in up), return_exceptions=True)
         for i, r in zip(up, results):
             if isinstance(r, WorkerLost):
                 self.worker_lost(i, r)

@@ -32,33 +32,20 @@ class _Deadlines:
     the oldest live call ends. A call still running at its deadline has its task cancelled,
     exactly as ``asyncio.timeout`` would, at the same time."""
 
-    __slots__ = ("seconds", "_calls", "_timer", "_armed", "_seq")
+    __slots__ = ("seconds", "_calls", "_timer", "_armed")
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
         self._calls: deque[_Call] = deque()
         self._timer: Optional[asyncio.TimerHandle] = None
         self._armed: Optional[_Call] = None
-        # On the virtual clock, the armed call's timer is set only once the call waits (most
-        # control calls of a simulated engine return at once): meanwhile _timer is None and
-        # _seq holds the timer's place, reserved when the call started.
-        self._seq: Optional[int] = None
 
     def start(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task) -> _Call:
         call = _Call(loop.time() + self.seconds, task)
         self._calls.append(call)
         if self._armed is None:
-            reserve = getattr(loop, "reserve_timer", None)
-            if reserve is None:
-                self._arm(loop)
-            else:
-                self._armed, self._seq = call, reserve()
+            self._arm(loop)
         return call
-
-    def waiting(self, loop: asyncio.AbstractEventLoop, call: _Call) -> None:
-        """``call`` is about to wait: its deadline's timer, if it is the one armed, must be set."""
-        if call is self._armed and self._timer is None:
-            self._timer = loop.call_at_reserved(call.deadline, self._seq, self._expire)
 
     def place(self, loop: asyncio.AbstractEventLoop) -> Optional[int]:
         """For a call starting now that is entered only if it comes to wait (``enter``): the
@@ -66,7 +53,7 @@ class _Deadlines:
         return loop.reserve_timer() if self._armed is None else None
 
     def enter(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task, seq: Optional[int]) -> _Call:
-        """``start`` then ``waiting`` for a call that started earlier in the same step of its task
+        """``start`` for a call that started earlier in the same step of its task
         (the clock has not moved, and no other call has started or ended since), with the place
         ``place`` gave it."""
         call = _Call(loop.time() + self.seconds, task)
@@ -75,7 +62,7 @@ class _Deadlines:
             if seq is None:
                 self._arm(loop)
             else:
-                self._armed, self._seq = call, seq
+                self._armed = call
                 self._timer = loop.call_at_reserved(call.deadline, seq, self._expire)
         return call
 
@@ -87,11 +74,8 @@ class _Deadlines:
                 calls.popleft()
             if calls and calls[0].deadline == call.deadline:
                 self._armed = calls[0]  # calls made together (a sync's): the timer stands
-                if self._timer is None:  # (it was reserved: the next call waits already)
-                    self._timer = asyncio.get_running_loop().call_at_reserved(call.deadline, self._seq, self._expire)
                 return
-            if self._timer is not None:
-                self._timer.cancel()
+            self._timer.cancel()
             self._timer = self._armed = None
             self._arm(asyncio.get_running_loop())
 
@@ -195,7 +179,6 @@ class SupervisedEngine:
                     deadlines.end(waits.entry)
         entry = deadlines.start(loop, asyncio.current_task())
         try:
-            deadlines.waiting(loop, entry)
             return await coro
         except asyncio.CancelledError:
             if entry.expired and entry.task.uncancel() <= entry.cancelling:

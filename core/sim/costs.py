@@ -53,7 +53,7 @@ class DecodeCost:
         self._prefill_flops = flops * r.prefill_mfu
         # Calibrated (harness/calibrate.py): measured coefficients replace the roofline terms.
         cal = sc.calibrated
-        self.prefill_s_per_token = None if cal is None else cal.prefill_s_per_token
+        self.prefill_s_per_token: float | None = None
         if cal is not None:
             # Measured in one placement; the other is faster or slower by the probed factor.
             fitted_colocated = cal.decode_placement == "colocated"

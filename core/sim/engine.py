@@ -146,7 +146,7 @@ class SimEngine:
         Tokens are appended to the samples in place, tagged with this engine's version.
         """
         # Only a fault set on this worker makes _enter do anything: spare the coroutine otherwise.
-        if self.down_until is not None or self.hang_next is not None:
+        if not self.answers_now():
             await self._enter("generate")
         todo = group.unfinished()
         if not todo:
@@ -173,7 +173,7 @@ class SimEngine:
 
     async def abort_all(self) -> int:
         """Interrupt every request; partial tokens stay on their samples. Returns how many."""
-        if self.down_until is not None or self.hang_next is not None:
+        if not self.answers_now():
             await self._enter("abort_all")
         return self._stop_all(aborted=True)
 
@@ -204,7 +204,7 @@ class SimEngine:
         return self.down_until is None and self.hang_next is None
 
     async def update_weights(self, version: int, weights=None) -> None:
-        if self.down_until is not None or self.hang_next is not None:
+        if not self.answers_now():
             await self._enter("update_weights")
         if self._heap or self._waiting:
             raise RuntimeError(f"{self.name}: update_weights with requests in flight; pause the rollout first")
@@ -212,7 +212,7 @@ class SimEngine:
 
     async def clear_cache(self) -> None:
         """KV blocks of finished and aborted requests are already free in this model."""
-        if self.down_until is not None or self.hang_next is not None:
+        if not self.answers_now():
             await self._enter("clear_cache")
 
     # -- faults -----------------------------------------------------------------------------
@@ -392,18 +392,14 @@ class SimEngine:
             if waiter.pending == 0 and not waiter.future.done():
                 _apply(waiter.emits)
                 waiter.future.set_result(not waiter.aborted)
+        if not heap:
+            self._C = 0.0
+        if self._waiting:
+            self._admit(now)
         if heap:
-            if self._waiting:
-                self._admit(now)
             self._schedule(loop)
         else:
-            self._C = 0.0
-            if self._waiting:
-                self._admit(now)
-            if heap:
-                self._schedule(loop)
-            else:
-                self._idle(now)
+            self._idle(now)
 
     def _preempt(self) -> None:
         """Free the KV of the most recently admitted request and queue it first to come back

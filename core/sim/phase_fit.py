@@ -82,14 +82,13 @@ def phase_times(sc: Scenario, setup: dict, samples: int) -> dict[str, float]:
     groups = samples // sc.workload.group_size
     engines = g // sc.resources.gpus_per_engine
     gen = float(np.mean([window_generate_s(colo, engines, i * groups, groups) for i in range(WINDOWS)]))
-    train_s = TrainCost(sc, setup["trainer_gpus"], recompute_logprobs=False, colocated=False)
     logprob_comm = steps * (dp_comm_s(colo, g, True) - dp_comm_s(colo, g, False))
     return {
         "colocated.gen_s": gen,
         "colocated.old_log_prob_s": flops_s / train_c.passes + logprob_comm,
         "colocated.update_actor_s": flops_s * (1 - 1 / train_c.passes) + steps * train_c.fixed_s - logprob_comm,
         "colocated.other_s": TransferCost(colo, colocated=True).seconds(),
-        "separated.update_actor_s": steps * train_s.fixed_s + train_s.sample_flops(tokens, tokens_sq) / train_s.flops,
+        "separated.update_actor_s": _separated_update_s(sc, setup["trainer_gpus"], steps, tokens, tokens_sq),
     }
 
 
@@ -198,7 +197,10 @@ def fit_phases(table: dict) -> tuple[dict[str, object], list[str]]:
 
 def phase_times_trainer(sc: Scenario, setup: dict, samples: int) -> float:
     """The separated update time alone (cheap: no generation), for the length search."""
-    steps = samples / sc.trainer.batch_size
     tokens, tokens_sq = _window_tokens(sc, samples)
-    t = TrainCost(sc, setup["trainer_gpus"], recompute_logprobs=False, colocated=False)
+    return _separated_update_s(sc, setup["trainer_gpus"], samples / sc.trainer.batch_size, tokens, tokens_sq)
+
+
+def _separated_update_s(sc: Scenario, gpus: int, steps: float, tokens: float, tokens_sq: float) -> float:
+    t = TrainCost(sc, gpus, recompute_logprobs=False, colocated=False)
     return steps * t.fixed_s + t.sample_flops(tokens, tokens_sq) / t.flops
