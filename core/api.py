@@ -14,7 +14,9 @@ import numpy as np
 
 from core.model.sample import Group
 
-PauseMode = Literal["wait", "abort"]
+# What a sync does to generations in flight: drain them, abort and resume them, or keep them
+# running on the new weights (engines frozen between decode steps while the weights load).
+PauseMode = Literal["wait", "abort", "keep"]
 
 
 class Engine(Protocol):
@@ -37,6 +39,15 @@ class Engine(Protocol):
         """Load ``weights`` (None: the engine models weights, nothing to load) as ``version``."""
 
     async def clear_cache(self) -> None: ...
+
+    async def freeze(self) -> None:
+        """Stop between two decode steps, keeping every request and its KV cache, until
+        ``thaw`` (inflight mode). Tokens generated so far stay tagged with the current version;
+        ``update_weights`` may then load new weights under the running requests."""
+
+    async def thaw(self) -> None:
+        """Go on decoding what ``freeze`` stopped; tokens from here on carry the version loaded
+        since, and no context is prefilled again."""
 
     # Optional: ``answers_now() -> bool``, True while abort_all, update_weights and clear_cache
     # would return without waiting (a simulated engine with no fault set). The Rollouter then

@@ -203,6 +203,12 @@ class SupervisedEngine:
     async def clear_cache(self) -> None:
         await self._call("clear_cache", self.engine.clear_cache(), self.control_s, "timeouts.control_s")
 
+    async def freeze(self) -> None:
+        await self._call("freeze", self.engine.freeze(), self.control_s, "timeouts.control_s")
+
+    async def thaw(self) -> None:
+        await self._call("thaw", self.engine.thaw(), self.control_s, "timeouts.control_s")
+
     async def recover(self) -> None:
         """Bring the worker back: killed first if it only hangs, then restarted."""
         self.restarts += 1

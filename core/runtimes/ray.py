@@ -142,6 +142,14 @@ class EngineHost:
         await self._enter("update_weights")
         await self.engine.update_weights(version, weights)
 
+    async def freeze(self) -> None:
+        await self._enter("freeze")
+        await self.engine.freeze()
+
+    async def thaw(self) -> None:
+        await self._enter("thaw")
+        await self.engine.thaw()
+
     # faults (core/runtimes/supervision.py): injected by the rollout actor
     def slow(self, factor: float, duration_s: float) -> None:
         now = asyncio.get_running_loop().time()
@@ -214,6 +222,12 @@ class EngineProxy:
 
     async def clear_cache(self) -> None:
         await self._remote("clear_cache")
+
+    async def freeze(self) -> None:
+        await self._remote("freeze")
+
+    async def thaw(self) -> None:
+        await self._remote("thaw")
 
     def kill(self) -> None:
         """End the actor's process; Ray starts a new one (``max_restarts``)."""
