@@ -202,24 +202,52 @@ def test_is_weight_truncated_at_cap(model_dir):
     assert m2["is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
 
 
-def test_decoupled_matches_plain_on_policy(model_dir):
-    b = TorchTrainBackend(model_dir, LearnSpec(decoupled=True, minibatches=1), threads=THREADS)
+def test_masked_drops_tokens_far_off_policy_and_keeps_the_rest(model_dir):
+    cap = 1.5
+    b = TorchTrainBackend(model_dir, LearnSpec(is_cap=cap, correction="masked", minibatches=1), threads=THREADS)
     gs = _onpolicy_groups(b, model_dir)
-    plain, dec = _flat(b.gradient(Batch(gs), decoupled=False)), _flat(b.gradient(Batch(gs), decoupled=True))
+    on = _flat(b.gradient(Batch(gs)))
+    # The first group's behaviour log-probs far below the trainer's: its tokens leave [1/cap, cap].
+    for s in gs[0].samples:
+        s.logprobs = [x - 5.0 for x in s.logprobs]
+    only_second = _flat(b.gradient(Batch(gs)))
+    n0, n1 = (sum(len(s.response_tokens) for s in g.samples) for g in gs)
+    second = _flat(b.gradient(Batch(gs[1:])))
+    # Dropped, not truncated: the gradient is the second group's alone, over all tokens.
+    assert torch.allclose(only_second, second * n1 / (n0 + n1), rtol=1e-3, atol=1e-6)
+    assert not torch.allclose(only_second, on, rtol=1e-2)
+    m = asyncio.run(b.train_step(Batch(gs), 0))
+    assert m["masked_frac"] == pytest.approx(n0 / (n0 + n1))
+    # TIS keeps them, at the cap.
+    t = TorchTrainBackend(model_dir, LearnSpec(is_cap=cap, correction="tis", minibatches=1), threads=THREADS)
+    assert asyncio.run(t.train_step(Batch(gs), 0))["masked_frac"] == 0.0
+
+
+@pytest.mark.parametrize("correction", ["decoupled", "masked", "none"])
+def test_every_correction_is_the_policy_gradient_on_policy(model_dir, correction):
+    # On policy every weight is 1 and no ratio is clipped: each correction's gradient is TIS's.
+    b = TorchTrainBackend(model_dir, LearnSpec(correction="decoupled", minibatches=1), threads=THREADS)
+    gs = _onpolicy_groups(b, model_dir)
+    plain, dec = _flat(b.gradient(Batch(gs), correction="tis")), _flat(b.gradient(Batch(gs), correction=correction))
     assert plain.norm() > 0
     cos = torch.dot(plain, dec) / (plain.norm() * dec.norm())
     assert cos > 0.999
     assert torch.allclose(plain, dec, rtol=1e-3, atol=1e-6)
+
+
+def test_decoupled_counts_its_recompute_pass(model_dir):
+    b = TorchTrainBackend(model_dir, LearnSpec(correction="decoupled", minibatches=1), threads=THREADS)
+    gs = _onpolicy_groups(b, model_dir)
     m = asyncio.run(b.train_step(Batch(gs), 0))
     assert np.isfinite(m["loss"]) and m["clip_frac"] == 0.0 and m["updates"] == 1
     # The recompute pass is counted: 4 passes instead of 3.
-    p = TorchTrainBackend(model_dir, LearnSpec(decoupled=False, minibatches=1), threads=THREADS)
+    p = TorchTrainBackend(model_dir, LearnSpec(correction="tis", minibatches=1), threads=THREADS)
     mp = asyncio.run(p.train_step(Batch(gs), 0))
     assert m["flops"] == pytest.approx(mp["flops"] * 4 / 3)
 
 
 def test_minibatches_make_several_updates(model_dir):
-    b = TorchTrainBackend(model_dir, LearnSpec(minibatches=2, decoupled=True), threads=THREADS)
+    b = TorchTrainBackend(model_dir, LearnSpec(minibatches=2, correction="decoupled"), threads=THREADS)
     gs = _onpolicy_groups(b, model_dir, n_groups=4)
     m = asyncio.run(b.train_step(Batch(gs), 0))
     assert m["updates"] == 2

@@ -7,16 +7,26 @@ sample i in group g:
     A_i      = (R_i - mean_g R) / (std_g R + eps)          0 for a group whose rewards are all equal
     pi       = softmax(logits / T)                          T: the rollout temperature, so train and
                                                              behaviour log-probs are the same quantity
-    plain    loss_t = -w_t * A_i * log pi_theta(t)           w_t = min(pi_theta / pi_behaviour, is_cap)
-    decoupled loss_t = -w_t * min(r_t A_i, clip(r_t, 1-eps, 1+eps) A_i)
-                     r_t = pi_theta / pi_prox,  w_t = min(pi_prox / pi_behaviour, is_cap)
+    PPO(r)   = min(r A_i, clip(r, 1-eps, 1+eps) A_i)
 
-``w`` is always detached: truncated importance sampling (TIS) corrects for the rollout
-policy being older than the trained one, and the cap bounds the variance it adds. In the
-decoupled form (AReaL's decoupled PPO) pi_prox comes from one no-grad forward with the
-weights at the start of the step: the trust region is measured against it, while the
-off-policy correction to the behaviour policy is the capped weight. The loss is the mean over
-the response tokens of the minibatch; prompt tokens are context only.
+and ``learn.correction`` picks the loss:
+
+    none       loss_t = -PPO(pi_theta / pi_behaviour)         staleness ignored: the behaviour
+                                                              policy is taken as the old policy
+    tis        loss_t = -w_t * A_i * log pi_theta(t)          w_t = min(pi_theta / pi_behaviour, is_cap)
+    decoupled  loss_t = -w_t * PPO(pi_theta / pi_prox)        w_t = min(pi_prox / pi_behaviour, is_cap)
+    masked     loss_t = -m_t * w_t * PPO(pi_theta / pi_prox)  w_t = pi_prox / pi_behaviour,
+                                                              m_t = [1/is_cap <= w_t <= is_cap]
+
+``w`` is always detached. pi_behaviour is per token: the log-prob the engine recorded when it
+sampled the token, under the weights of that token's version, so a response whose tokens span
+versions (partial, inflight) is corrected token by token. In the decoupled forms (AReaL's
+decoupled PPO) pi_prox comes from one no-grad forward with the weights at the start of the
+step: the trust region is measured against it, while the off-policy correction to the
+behaviour policy is the weight. ``masked`` drops the tokens whose weight is far off instead of
+truncating it (masked importance sampling, as in IcePop), so a token sampled by a policy far
+from the current one adds no gradient at all. The loss is the mean over the response tokens of
+the minibatch; prompt tokens are context only.
 """
 
 from __future__ import annotations
@@ -212,21 +222,30 @@ class TorchTrainBackend:
         logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
         return logp.gather(-1, batch.ids[:, 1:, None]).squeeze(-1)
 
-    def _loss(self, batch: _Batch, prox: Optional[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    def _loss(self, batch: _Batch, prox: Optional[torch.Tensor], correction: str) -> tuple[torch.Tensor, dict]:
         lp = self._logprobs(batch)
         m = batch.mask
         ntok = m.sum().clamp(min=1.0)
         cap = self.learn.is_cap
-        if prox is None:
+        eps = self.learn.clip_eps
+        clipped = torch.zeros_like(m)
+        if correction == "tis":
             log_w = (lp.detach() - batch.beh) * m
             w = torch.exp(log_w).clamp(max=cap)
             per_tok = -w * batch.adv * lp
-            clipped = torch.zeros_like(m)
+            kept = m
         else:
-            log_w = (prox - batch.beh) * m
-            w = torch.exp(log_w).clamp(max=cap)
-            ratio = torch.exp((lp - prox) * m)
-            eps = self.learn.clip_eps
+            # The ratio's reference: the behaviour policy itself (none), or the proximal one.
+            ref = batch.beh if correction == "none" else prox
+            log_w = (ref - batch.beh) * m
+            if correction == "masked":
+                raw = torch.exp(log_w)
+                kept = ((raw <= cap) & (raw >= 1.0 / cap)).float() * m
+                w = raw * kept
+            else:
+                w = torch.exp(log_w).clamp(max=cap)
+                kept = m
+            ratio = torch.exp((lp - ref) * m)
             s1 = ratio * batch.adv
             s2 = ratio.clamp(1.0 - eps, 1.0 + eps) * batch.adv
             per_tok = -w * torch.minimum(s1, s2)
@@ -235,6 +254,7 @@ class TorchTrainBackend:
         stats = {
             "is_weight_sum": float((w * m).sum()),
             "is_truncated": float(((torch.exp(log_w) > cap).float() * m).sum()),
+            "masked": float((m - kept).sum()),
             "clipped": float((clipped * m).sum()),
             "ntok": float(m.sum()),
         }
@@ -254,17 +274,17 @@ class TorchTrainBackend:
             adv.append(group_advantages(np.array([s.reward or 0.0 for s in g.samples])))
         return _Batch(samples, np.concatenate(adv) if adv else np.zeros(0, np.float32), batch.sample_weights(), self.device)
 
-    def gradient(self, batch: Batch, decoupled: Optional[bool] = None) -> dict[str, torch.Tensor]:
+    def gradient(self, batch: Batch, correction: Optional[str] = None) -> dict[str, torch.Tensor]:
         """The loss gradient on ``batch`` as one minibatch, without an update (tests, diagnostics)."""
-        decoupled = self.learn.decoupled if decoupled is None else decoupled
+        correction = self.learn.correction if correction is None else correction
         with self._lock:
             batch = self._batch(batch)
             prox = None
-            if decoupled:
+            if correction in ("decoupled", "masked"):
                 with torch.no_grad():
                     prox = self._logprobs(batch)
             self.model.zero_grad(set_to_none=True)
-            loss, _ = self._loss(batch, prox)
+            loss, _ = self._loss(batch, prox, correction)
             loss.backward()
             out = {
                 n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
@@ -280,14 +300,14 @@ class TorchTrainBackend:
         with self._lock:
             batches = [self._batch(mb) for mb in self._minibatches(step_batch)]
             prox: list[Optional[torch.Tensor]] = [None] * len(batches)
-            if self.learn.decoupled:
+            if self.learn.recomputes_prox:
                 # All proximal log-probs come from the weights at the start of the step, before any update.
                 with torch.no_grad():
                     prox = [self._logprobs(b) for b in batches]
             losses, norms = [], []
-            acc = {"is_weight_sum": 0.0, "is_truncated": 0.0, "clipped": 0.0, "ntok": 0.0}
+            acc = {"is_weight_sum": 0.0, "is_truncated": 0.0, "masked": 0.0, "clipped": 0.0, "ntok": 0.0}
             for b, px in zip(batches, prox):
-                loss, st = self._loss(b, px)
+                loss, st = self._loss(b, px, self.learn.correction)
                 for k in acc:
                     acc[k] += st[k]
                 losses.append(float(loss.detach()))
@@ -303,7 +323,7 @@ class TorchTrainBackend:
         dt = time.perf_counter() - t0
         tokens = sum(b.tokens for b in batches)
         tokens_sq = sum(b.tokens_sq for b in batches)
-        passes = 3.0 + (1.0 if self.learn.decoupled else 0.0)
+        passes = 3.0 + (1.0 if self.learn.recomputes_prox else 0.0)
         # Same convention as core.sim.costs.TrainCost: 2P FLOPs per token per forward, backward twice that.
         flops = 2.0 * passes * self.params * tokens + 2.0 * passes * self._attn_width * tokens_sq
         self.compute_s += dt
@@ -317,6 +337,7 @@ class TorchTrainBackend:
             "reward_mean": float(np.mean(rewards)) if rewards else 0.0,
             "is_weight_mean": acc["is_weight_sum"] / ntok,
             "is_truncated_frac": acc["is_truncated"] / ntok,
+            "masked_frac": acc["masked"] / ntok,
             "clip_frac": acc["clipped"] / ntok,
             "grad_norm": float(np.mean(norms)) if norms else 0.0,
             "updates": len(norms),
