@@ -112,6 +112,63 @@ def test_update_weights_refuses_in_flight_requests():
     virtual_clock.run(main())
 
 
+def test_freeze_keeps_requests_and_shifts_them_by_the_freeze_alone():
+    # In-flight weight update: frozen for d seconds, every response ends exactly d later than
+    # without the freeze, its tokens split at the freeze between the versions, and nothing is
+    # prefilled again.
+    sc = Scenario()
+    lengths = [37, 120, 5, 300, 64, 999]
+    cost = DecodeCost(sc, 1)
+    d, at = 2.5, 0.4
+
+    async def main(freeze: bool):
+        e = SimEngine("e", cost, FixedLengths({0: lengths}), max_num_seqs=64)
+        g = group(0, len(lengths))
+        task = asyncio.create_task(e.generate(g, 10_000))
+        if freeze:
+            await asyncio.sleep(at)
+            await e.freeze()
+            with pytest.raises(asyncio.TimeoutError):  # nothing moves while frozen
+                await asyncio.wait_for(asyncio.shield(task), d)
+            await e.update_weights(1)
+            await e.thaw()
+        assert await task
+        return g, e
+
+    plain, e0 = virtual_clock.run(main(False))
+    kept, e1 = virtual_clock.run(main(True))
+    for a, b, n in zip(plain.samples, kept.samples, lengths):
+        assert b.n_response == n
+        if a.finished_at <= at:
+            assert b.finished_at == pytest.approx(a.finished_at) and b.version_spans == [[0, n]]
+        else:
+            assert b.finished_at == pytest.approx(a.finished_at + d, rel=1e-9)
+            assert b.version_spans[-1][0] == 1 and sum(k for _, k in b.version_spans) == n
+            assert [v for v, _ in b.version_spans] in ([0, 1], [1])
+    assert e1.prefill_tokens == e0.prefill_tokens and e1.tokens_generated == e0.tokens_generated
+    assert e1.busy_s == pytest.approx(e0.busy_s, rel=1e-9)  # the freeze is not generation time
+
+
+def test_requests_sent_to_a_frozen_engine_start_when_it_thaws():
+    sc = Scenario()
+    wl = FixedLengths({0: [50], 1: [50]})
+
+    async def main():
+        e = SimEngine("e", DecodeCost(sc, 1), wl, max_num_seqs=8)
+        await e.freeze()
+        g = group(1, 1)
+        task = asyncio.create_task(e.generate(g, 1000))
+        await asyncio.sleep(3.0)
+        assert not task.done() and e.prefill_tokens == 0
+        await e.update_weights(2)
+        await e.thaw()
+        assert await task
+        return g
+
+    g = virtual_clock.run(main())
+    assert g.samples[0].version_spans == [[2, 50]] and g.samples[0].started_at == pytest.approx(3.0)
+
+
 def test_workload_lengths_are_deterministic_and_clipped():
     sc = with_changes(Scenario(), {"workload.max_response_len": 3000})
     a, b = Workload(sc.workload, 7), Workload(sc.workload, 7)
@@ -186,7 +243,7 @@ def test_a_small_kv_cache_preempts_and_every_response_still_finishes_whole():
     })
     small = with_changes(sc, {"gpu.memory_gb": 19.5})  # ~20k tokens of KV cache per engine
     assert DecodeCost(small, 1).kv_capacity_tokens < 25_000
-    for mode in ("sync", "async", "partial"):
+    for mode in ("sync", "async", "partial", "inflight"):
         ample_run, small_run = run_mode(sc, mode), run_mode(small, mode)
         ample, tight = collect(ample_run), collect(small_run)
         assert ample["rollout/preemptions"] == 0 < tight["rollout/preemptions"]

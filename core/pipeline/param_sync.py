@@ -1,5 +1,8 @@
 """ParamSync: pause rollout, transfer weights, bump the version, resume.
 
+Pausing drains generations in flight (async), aborts them (partial) or freezes them in the
+engines (inflight), which then take the new weights between two decode steps.
+
 Pause time (rollout stopped, drain included) and transfer time are recorded apart, so a
 report shows whether a sync costs bandwidth or waiting for the longest response.
 """
@@ -32,13 +35,22 @@ class ParamSync:
         # Called while rollout is paused, before the weights leave: a checkpoint there holds
         # no generation in flight, and weights never run ahead of the latest checkpoint.
         self.checkpoint: Optional[Callable[[int, float, float], Awaitable[None]]] = None
+        # Whether the checkpoint at a version captures the rollout side, which must then hold
+        # no generation in flight (a whole-run checkpoint in one process).
+        self.checkpoint_captures_rollout: Callable[[int], bool] = lambda version: False
 
     async def sync(self, version: int, checkpoint: bool = True) -> None:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        await self.rollouter.pause(self.mode)
+        mode = self.mode
+        take = checkpoint and self.checkpoint is not None
+        if mode == "keep" and take and self.checkpoint_captures_rollout(version):
+            # A checkpoint holds no generation in flight: this sync interrupts them, as partial
+            # rollout does, and they resume from the checkpoint's cancel queue.
+            mode = "abort"
+        await self.rollouter.pause(mode)
         t1 = loop.time()
-        if checkpoint and self.checkpoint is not None:
+        if take:
             await self.checkpoint(version, t0, t1)
         await self.finish(version, t0, t1)
 

@@ -2,7 +2,8 @@
 
 Finished groups go to the queue at once (streaming, no batch barrier). ``pause("wait")``
 drains in-flight generations; ``pause("abort")`` interrupts them and keeps their partial
-responses in a cancel queue that is served first after ``resume``.
+responses in a cancel queue that is served first after ``resume``; ``pause("keep")`` freezes
+them in the engines, which load the new weights under them and decode on after ``resume``.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class Rollouter:
         # is the smallest entry that is current, without a scan of all engines per group.
         self._loads = [(0, i) for i in range(len(engines))]
         self._paused = False
+        self._frozen = False  # engines hold their generations between decode steps (pause "keep")
         self._stopped = False
         self._wake = asyncio.Event()
 
@@ -290,8 +292,13 @@ class Rollouter:
 
     # -- control ------------------------------------------------------------------------------
     async def pause(self, mode: PauseMode) -> None:
-        """Stop admitting; ``wait`` drains in-flight work, ``abort`` interrupts it."""
+        """Stop admitting; ``wait`` drains in-flight work, ``abort`` interrupts it, ``keep``
+        freezes it in the engines, KV cache and all, to go on under the next weights."""
         self._paused = True
+        if mode == "keep":
+            self._frozen = True
+            await self._each_up("freeze")
+            return
         if mode == "abort":
             await self._abort_all()
         if self._active:
@@ -325,6 +332,9 @@ class Rollouter:
 
     async def resume(self) -> None:
         self._paused = False
+        if self._frozen:
+            self._frozen = False
+            await self._each_up("thaw")
         self._wake.set()
 
     async def stop(self) -> list[Group]:

@@ -13,6 +13,9 @@ Modes:
   it, then the weights are resharded in place. Staleness is 0 by construction.
 - ``async``: rollout and trainer GPUs apart, overlapping; a sync drains in-flight work.
 - ``partial``: as async, but a sync aborts in-flight work and resumes it after.
+- ``inflight``: as async, but a sync freezes in-flight work between two decode steps; the
+  engines load the new weights under it and decode on with its KV cache, so each token
+  carries the version that produced it (PipelineRL's in-flight weight updates).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from core.api import Batch, BatchSource, Engine, LocalEngine, PromptSource, RewardFn, RolloutControl, TrainBackend, WeightTransfer
+from core.api import Batch, BatchSource, Engine, LocalEngine, PauseMode, PromptSource, RewardFn, RolloutControl, TrainBackend, WeightTransfer
 from core.model.config import Placement, Scenario, effective_staleness
 from core.model.faults import FaultLog, FaultPlan
 from core.model.ledger import Ledger
@@ -39,6 +42,9 @@ from core.pipeline.trainer import Trainer
 from core.store.queue_journal import QueueJournal
 
 ProgressFn = Callable[[int, float, int], None]
+
+# What a sync does to generations in flight, per mode (sync has none in flight by then).
+PAUSE: dict[str, PauseMode] = {"sync": "wait", "async": "wait", "partial": "abort", "inflight": "keep"}
 
 
 @dataclass
@@ -205,7 +211,7 @@ def connect_trainer(
     param_sync = ParamSync(
         rollouter=rollouter,
         transfer=workers.transfer,
-        mode="abort" if mode == "partial" else "wait",
+        mode=PAUSE[mode],
         timeline=timeline,
     )
     trainer = Trainer(

@@ -10,7 +10,7 @@ from typing import Optional
 
 from core.model.faults import WorkerLost, worker_key
 from core.pipeline.wiring import System, end_rollout, release_unused
-from core.runtimes.run_checkpoint import restore_trainer, save_run
+from core.runtimes.run_checkpoint import due, restore_trainer, save_run
 from core.runtimes.supervision import FaultInjector, TrainerDied, strike, supervise_trainer
 
 SyncPoint = tuple[int, float, float]  # (version, t0, t1) of a sync a checkpoint was taken in
@@ -96,6 +96,7 @@ async def drive(system: System, resume: Optional[SyncPoint] = None, stop_at_step
             save_run(system, version, t0, t1)
 
         system.param_sync.checkpoint = checkpoint
+        system.param_sync.checkpoint_captures_rollout = lambda version: due(system.scenario, version)
         if resume is None and system.trainer.step == 0:
             save_run(system, 0, 0.0, 0.0, at_start=True)
     injector.arm()

@@ -24,7 +24,8 @@ slower), reaching decode step k after sum_{i<k} step(B(i), B(i) * (P + i)) secon
 being its members longer than i. The trainer takes groups in finishing order and trains each
 step at its exact FLOP cost. In partial mode every group still generating at a sync is
 paused for the transfer and prefilled again (the cost model recomputes KV after a weight
-update), that stall spread evenly over the engines; how far each group got is read off a
+update), that stall spread evenly over the engines (in inflight mode they are paused for the
+transfer only); how far each group got is read off a
 shared cohort clock (a cohort of window / engines sequences thinning by the whole length
 distribution), an estimate.
 
@@ -33,7 +34,7 @@ groups, an uneven spread of re-prefill. The stall estimate can err either way; w
 replay ring the draw can be cheaper than the ring's mean (below). What the budget adds to
 the bare steps is reported as the version bubble.
 
-Separated (async, partial): the lower of W / (W / rollout + transfer) and the played-out
+Separated (async, partial, inflight): the lower of W / (W / rollout + transfer) and the played-out
 run's rate. Colocated sync: W / rollout + W * train + transfer, in turn.
 The bound is for the workload it is given: the planned one, or (harness.metrics.bounds) the
 groups a run trained, which are shorter than planned when it evicts stale samples.
@@ -86,6 +87,11 @@ class Bound:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "trained_tokens_per_s": self.trained_tokens_per_s}
+
+
+# Groups in flight at a sync: paused for the transfer (inflight), or paused and prefilled again
+# (partial). The bound lets async's go on (its drain is what the bound leaves out).
+PAUSE_IN_BOUND = {"partial": "abort", "inflight": "keep"}
 
 
 def planned_lengths(sc: Scenario) -> np.ndarray:
@@ -147,8 +153,8 @@ def pipeline_bound(
         cohort = max(1, min(sc.rollout.max_num_seqs, math.ceil(window / place.engines)))
         reach = _cohort_clock(np.sort(lengths.ravel()), cohort, decode, p)
         paced_s, busy_s = _budget_paced_run(
-            sc, lengths.astype(np.int64), reach, decode, place.engines, train, transfer, lead, abort=mode == "partial",
-            draw=draw,
+            sc, lengths.astype(np.int64), reach, decode, place.engines, train, transfer, lead,
+            pause=PAUSE_IN_BOUND.get(mode), draw=draw,
         )
         per_window = sc.trainer.sync_every / sc.trainer.steps
         paced_window_s = paced_s * per_window  # trainer paced by the budget
@@ -191,15 +197,15 @@ def _lone_group_s(lengths: np.ndarray, decode: DecodeCost, prompt: float) -> np.
 
 
 def _budget_paced_run(sc: Scenario, lengths: np.ndarray, reach: np.ndarray, decode: DecodeCost, engines: int,
-                      train: TrainCost, transfer: float, lead: float, abort: bool,
+                      train: TrainCost, transfer: float, lead: float, pause: str | None,
                       draw: tuple[float, float] | None = None) -> tuple[float, float]:
     """Seconds the run takes when only the staleness budget and training pace it, and the
     seconds of it the trainer is busy (steps and transfers).
 
-    With ``abort`` (partial rollout) every group still generating at a sync is paused for the
-    transfer and then prefilled again, as the cost model charges: its prompt once and every
-    unfinished response's tokens so far, spread evenly over the engines. Groups admitted at the
-    bump queue behind that re-prefill."""
+    With ``pause`` every group still generating at a sync is paused for the transfer: "keep"
+    (inflight) only that; "abort" (partial rollout) then prefills it again, as the cost model
+    charges: its prompt once and every unfinished response's tokens so far, spread evenly over
+    the engines. Groups admitted at the bump queue behind that re-prefill."""
     n = sc.workload.group_size
     p = sc.workload.prompt_tokens
     prefill = decode.prefill_s(0, p)
@@ -240,21 +246,21 @@ def _budget_paced_run(sc: Scenario, lengths: np.ndarray, reach: np.ndarray, deco
         busy += dt
         if (step + 1) % sc.trainer.sync_every == 0 and step + 1 < sc.trainer.steps:
             version += 1
-            pause = t
+            paused_at = t
             t += transfer
             busy += transfer
-            if abort:
+            if pause is not None:
                 stall = 0.0
-                for finish, g in ready:
-                    if finish <= pause:
+                for finish, g in ready if pause == "abort" else ():
+                    if finish <= paused_at:
                         continue
-                    done = int(np.searchsorted(reach, pause - started[g] - prefill, side="right")) - 1
+                    done = int(np.searchsorted(reach, paused_at - started[g] - prefill, side="right")) - 1
                     if done > 0:
                         open_members = int((lengths[g] > done).sum())
                         stall += decode.prefill_s(0, p + done) + (open_members - 1) * decode.prefill_s(p, p + done)
                 stall /= engines
                 for j, (finish, g) in enumerate(ready):
-                    if finish > pause:
+                    if finish > paused_at:
                         ready[j] = (finish + transfer + stall, g)
                         started[g] += transfer + stall
                 heapq.heapify(ready)

@@ -138,6 +138,7 @@ class SimEngine:
         self.down_until: Optional[float] = None
         self.restart_s = 0.0  # how long a crashed worker takes to come back
         self._hung: list[asyncio.Future] = []
+        self._frozen_at: Optional[float] = None  # frozen between decode steps since (inflight sync)
 
     # -- protocol ---------------------------------------------------------------------------
     async def generate(self, group: Group, max_response_len: int) -> bool:
@@ -167,8 +168,9 @@ class SimEngine:
             return True
         self._advance(loop.time())
         self._waiting.extend(reqs)
-        self._admit(loop.time())
-        self._reschedule(loop)
+        if self._frozen_at is None:  # a frozen engine admits them when it thaws
+            self._admit(loop.time())
+            self._reschedule(loop)
         return await waiter.future
 
     async def abort_all(self) -> int:
@@ -206,9 +208,51 @@ class SimEngine:
     async def update_weights(self, version: int, weights=None) -> None:
         if not self.answers_now():
             await self._enter("update_weights")
-        if self._heap or self._waiting:
-            raise RuntimeError(f"{self.name}: update_weights with requests in flight; pause the rollout first")
+        if (self._heap or self._waiting) and self._frozen_at is None:
+            raise RuntimeError(f"{self.name}: update_weights with requests in flight; pause the rollout first, or freeze it (inflight)")
         self.version = version
+
+    async def freeze(self) -> None:
+        """Stop between decode steps with every request and its KV kept: the tokens each has
+        so far are handed over under the current version, and the clock of the batch stops."""
+        if not self.answers_now():
+            await self._enter("freeze")
+        if self._frozen_at is not None:
+            return
+        now = asyncio.get_running_loop().time()
+        self._advance(now)
+        S = self._S
+        for _, _, req in self._heap:
+            done = min(req.steps, int(math.floor(S - req.join + _EPS)))
+            if done > 0:
+                self._emit(req, done)
+                # The request goes on from here with those tokens as context: its completion
+                # step (join + steps) and its share of the batch's context stay the same.
+                req.join += done
+                req.steps -= done
+                req.ctx += done
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._idle(now)
+        self._frozen_at = now
+
+    async def thaw(self) -> None:
+        """Decode on from the kept KV, on whatever version was loaded meanwhile."""
+        if not self.answers_now():
+            await self._enter("thaw")
+        if self._frozen_at is None:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        # Nothing decoded while frozen: a prefill stall under way resumes where it stood.
+        self._t += now - self._frozen_at
+        self._frozen_at = None
+        if self._heap:
+            self._busy_since = now
+        if self._waiting:
+            self._admit(now)
+        self._reschedule(loop)
 
     async def clear_cache(self) -> None:
         """KV blocks of finished and aborted requests are already free in this model."""
@@ -244,6 +288,7 @@ class SimEngine:
         self._hung.clear()
         self.hang_next = None
         self.down_until = now + restart_s
+        self._frozen_at = None  # the process that comes back is not frozen
         return n
 
     async def recover(self) -> None:
@@ -272,7 +317,7 @@ class SimEngine:
     def _advance(self, now: float, to_steps: Optional[float] = None) -> None:
         """Move the anchor to ``now`` (or exactly to step ``to_steps``, reached at ``now``)."""
         dt = now - self._t
-        if dt <= 0:
+        if dt <= 0 or self._frozen_at is not None:
             return
         b = len(self._heap)
         if b:
@@ -324,7 +369,7 @@ class SimEngine:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._heap:
+        if self._heap and self._frozen_at is None:
             self._schedule(loop)
 
     def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
