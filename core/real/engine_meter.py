@@ -24,30 +24,62 @@ class EngineMeter:
         self.seq_s = 0.0
         self._t = 0.0  # time the counters were last advanced to
         self._busy_since: Optional[float] = None
+        # Held while frozen (inflight weight sync): requests stay live but nothing runs, so
+        # neither busy time nor the running batch accrue.
+        self._held = False
         # For calibration (harness/calibrate.py): one row per engine step, appended as it ends.
         self.decode_steps: list[tuple[int, int, float]] = []  # (running, context tokens held, seconds)
         self.prefills: list[tuple[int, float]] = []  # (tokens prefilled, seconds)
 
     def _advance(self, now: float) -> None:
-        if self._live and now > self._t:
+        if self._live and not self._held and now > self._t:
             self.seq_s += len(self._live) * (now - self._t)
         self._t = max(self._t, now)
 
     def _busy(self, now: float) -> None:
-        if self._busy_since is None:
+        if self._busy_since is None and not self._held:
             self._busy_since = now
+
+    def _close_span(self, now: float) -> None:
+        self.busy_s += now - self._busy_since
+        if self.timeline is not None:
+            self.timeline.add(self.name, GENERATE, self._busy_since, now)
+        self._busy_since = None
+
+    def _meter_freeze(self, now: float) -> None:
+        self._advance(now)
+        self._held = True
+        if self._busy_since is not None:
+            self._close_span(now)
+
+    def _meter_thaw(self, now: float) -> None:
+        self._advance(now)  # only moves the clock: the frozen time is not counted
+        self._held = False
+        if self._live:
+            self._busy(now)
 
     def _idle(self, now: float) -> None:
         if self._busy_since is not None and not self._live:
-            self.busy_s += now - self._busy_since
-            if self.timeline is not None:
-                self.timeline.add(self.name, GENERATE, self._busy_since, now)
-            self._busy_since = None
+            self._close_span(now)
 
-    def _deliver(self, sample: Sample, tokens: list[int], logprobs: list[float], finished: bool, now: float) -> None:
-        """Hand a request's tokens (all it produced since it was submitted) to its sample."""
+    def _deliver(
+        self,
+        sample: Sample,
+        tokens: list[int],
+        logprobs: list[float],
+        finished: bool,
+        now: float,
+        cuts: Optional[list[tuple[int, int]]] = None,
+    ) -> None:
+        """Hand a request's tokens (all it produced since it was submitted) to its sample.
+
+        ``cuts``: ``(first token, version)`` of each run of tokens, where the weights changed
+        under the request (inflight); None: every token is of the current version."""
         if tokens:
-            sample.add_tokens(len(tokens), self.version, tokens, logprobs)
+            runs = cuts or [(0, self.version)]
+            ends = [start for start, _ in runs[1:]] + [len(tokens)]
+            for (start, version), end in zip(runs, ends):
+                sample.add_tokens(end - start, version, tokens[start:end], logprobs[start:end])
             self.tokens_generated += len(tokens)
         if finished:
             sample.finished = True

@@ -6,6 +6,11 @@ the fresh samples of a group, are prefilled once) and merged into the running ba
 left-padding the shorter of the two caches. Forward passes run in a worker thread so the
 event loop stays responsive; all bookkeeping happens on the event loop between steps.
 
+In inflight mode ``freeze`` parks the loop between two steps with the batch and its cache
+kept, ``update_weights`` loads new weights under it, and ``thaw`` decodes on from that cache.
+Each request records where the version changed, so its tokens reach the sample as runs of
+(version, tokens, logprobs) when it ends.
+
 Implements the ``Engine`` protocol of ``core/api.py`` with real tokens and log-probs.
 """
 
@@ -30,16 +35,28 @@ log = logging.getLogger(__name__)
 
 
 class _Request:
-    __slots__ = ("sample", "context", "max_tokens", "tokens", "logprobs", "future", "done")
+    __slots__ = ("sample", "context", "max_tokens", "tokens", "logprobs", "cuts", "future", "done")
 
-    def __init__(self, sample: Sample, context: list[int], max_tokens: int, future: asyncio.Future) -> None:
+    def __init__(self, sample: Sample, context: list[int], max_tokens: int, version: int, future: asyncio.Future) -> None:
         self.sample = sample
         self.context = context
         self.max_tokens = max_tokens
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
+        self.cuts: list[tuple[int, int]] = [(0, version)]  # (first token, version) of each run
         self.future = future
         self.done = False  # finished or aborted: its row is dropped at the next step
+
+    def cut(self, version: int) -> None:
+        """Tokens from here on are of ``version``."""
+        n = len(self.tokens)
+        start, current = self.cuts[-1]
+        if current == version:
+            return
+        if start == n:
+            self.cuts[-1] = (n, version)
+        else:
+            self.cuts.append((n, version))
 
 
 class TorchEngine(EngineMeter):
@@ -80,6 +97,14 @@ class TorchEngine(EngineMeter):
         self._last = torch.zeros(0, dtype=torch.long)  # last sampled token of each row
         self._task: Optional[asyncio.Task] = None
         self._live: set[_Request] = set()  # submitted, not yet finished or aborted
+        self._thawed = asyncio.Event()  # the decode loop waits on it while frozen
+        self._thawed.set()
+        self._between = asyncio.Event()  # clear while a step runs in the worker thread
+        self._between.set()
+
+    @property
+    def frozen(self) -> bool:
+        return not self._thawed.is_set()
 
     # -- protocol ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -108,7 +133,7 @@ class TorchEngine(EngineMeter):
                 s.finished = True
                 s.finished_at = loop.time()
                 continue
-            reqs.append(_Request(s, context, want, loop.create_future()))
+            reqs.append(_Request(s, context, want, self.version, loop.create_future()))
         if not reqs:
             return True
         self._advance(loop.time())
@@ -136,7 +161,30 @@ class TorchEngine(EngineMeter):
         self._waiting.clear()
         return len(reqs)
 
+    async def freeze(self) -> None:
+        """Park the decode loop between two steps, every request and the KV cache kept."""
+        if self.frozen:
+            return
+        self._thawed.clear()
+        # A step under way finishes, its tokens of the current version and its time busy.
+        await self._between.wait()
+        self._meter_freeze(asyncio.get_running_loop().time())
+
+    async def thaw(self) -> None:
+        """Decode on from the kept cache; requests that arrived while frozen join now."""
+        if not self.frozen:
+            return
+        self._meter_thaw(asyncio.get_running_loop().time())
+        self._thawed.set()
+
     async def update_weights(self, version: int, weights: Optional[dict[str, np.ndarray]] = None) -> None:
+        if self.frozen:
+            # Under running requests: their cache stays as it is, computed with the old weights.
+            await self._between.wait()
+            if weights is not None:
+                await asyncio.to_thread(self._load_weights, weights)
+            self._set_version(version)
+            return
         if self._live:
             raise RuntimeError(f"{self.name}: update_weights with requests in flight; pause the rollout first")
         # An aborted step may still be running in the worker thread; never write under it.
@@ -146,6 +194,11 @@ class TorchEngine(EngineMeter):
             raise RuntimeError(f"{self.name}: requests were submitted during update_weights")
         if weights is not None:
             await asyncio.to_thread(self._load_weights, weights)
+        self._set_version(version)
+
+    def _set_version(self, version: int) -> None:
+        for req in self._live:
+            req.cut(version)
         self.version = version
 
     def _load_weights(self, weights: dict[str, np.ndarray]) -> None:
@@ -162,6 +215,7 @@ class TorchEngine(EngineMeter):
 
     async def close(self, now: float) -> None:
         await self.abort_all()
+        await self.thaw()  # a frozen loop would never see that its requests are gone
         if self._task is not None:
             await self._task
         self._advance(now)
@@ -173,7 +227,7 @@ class TorchEngine(EngineMeter):
         now = asyncio.get_running_loop().time()
         self._advance(now)
         req.done = True
-        self._deliver(req.sample, req.tokens, req.logprobs, finished, now)
+        self._deliver(req.sample, req.tokens, req.logprobs, finished, now, req.cuts)
         self._live.discard(req)
         self._idle(now)
         if not req.future.done():
@@ -195,6 +249,9 @@ class TorchEngine(EngineMeter):
         loop = asyncio.get_running_loop()
         try:
             while True:
+                if self.frozen:
+                    await self._thawed.wait()
+                    continue
                 t0 = loop.time()
                 self._drop_done()
                 room = self.max_num_seqs - len(self._rows)
@@ -205,14 +262,14 @@ class TorchEngine(EngineMeter):
                         if req.sample.started_at != req.sample.started_at:  # NaN: first time scheduled
                             req.sample.started_at = now
                     before = self.prefill_tokens
-                    toks, lps = await asyncio.to_thread(self._prefill, new)
+                    toks, lps = await self._step(self._prefill, new)
                     self._accept(new, toks, lps)
                     # The whole iteration, bookkeeping included: what the next step waits for.
                     self.prefills.append((self.prefill_tokens - before, loop.time() - t0))
                 elif self._rows:
                     rows = list(self._rows)
                     context = int(self._pos.sum())
-                    toks, lps = await asyncio.to_thread(self._decode)
+                    toks, lps = await self._step(self._decode)
                     self._accept(rows, toks, lps)
                     self.decode_steps.append((len(rows), context, loop.time() - t0))
                 else:
@@ -228,6 +285,13 @@ class TorchEngine(EngineMeter):
             self._idle(loop.time())
             self._rows, self._waiting = [], deque()
             self._reset_cache()
+
+    async def _step(self, fn, *args) -> tuple[torch.Tensor, torch.Tensor]:
+        self._between.clear()
+        try:
+            return await asyncio.to_thread(fn, *args)
+        finally:
+            self._between.set()
 
     # -- the batch, touched only by the decode loop (in the worker thread or between steps) ---
     def _reset_cache(self) -> None:
