@@ -184,6 +184,22 @@ def test_batch_importance_weights_scale_each_groups_part_of_the_gradient(model_d
     assert not torch.allclose(weighted, plain, rtol=1e-3)
 
 
+def test_step_reports_staleness_per_token_of_responses_that_span_versions(model_dir):
+    b = TorchTrainBackend(model_dir, LearnSpec(minibatches=1), threads=THREADS)
+    gs = _onpolicy_groups(b, model_dir)
+    total = lagged = 0
+    for g in gs:
+        for s in g.samples:
+            n = len(s.response_tokens)
+            k = n // 2
+            s.version_spans = [[0, k], [2, n - k]] if k else [[2, n]]
+            total += n
+            lagged += 3 * k + (n - k)
+    m = asyncio.run(b.train_step(Batch(gs), 3))
+    assert m["token_staleness_mean"] == pytest.approx(lagged / total)
+    assert m["token_staleness_max"] == (3 if any(len(s.response_tokens) > 1 for g in gs for s in g.samples) else 1)
+
+
 def test_is_weight_truncated_at_cap(model_dir):
     cap = 1.5
     b = TorchTrainBackend(model_dir, LearnSpec(is_cap=cap), threads=THREADS)

@@ -38,9 +38,9 @@ def test_run_writes_reports_summary_and_plots(tmp_path, capsys):
     out = tmp_path / "run"
     assert main([QUICK, "--out", str(out), *sets(*SMALL)]) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary["modes"]) == {"sync", "async", "partial"}
+    assert set(summary["modes"]) == {"sync", "async", "partial", "inflight"}
     assert summary["modes"]["sync"]["speedup_vs_sync"] == pytest.approx(1.0)
-    for mode in ("sync", "async", "partial"):
+    for mode in ("sync", "async", "partial", "inflight"):
         rep = json.loads((out / mode / "report.json").read_text())
         assert rep["schema"] == "asyncrl.report/1"
         assert rep["mode"] == mode and rep["seed"] == 0

@@ -330,6 +330,9 @@ class TorchTrainBackend:
         self.flops += flops
         self.steps += 1
         rewards = [s.reward or 0.0 for g in groups for s in g.samples]
+        # Versions behind the trained weights, per response token (inflight responses span several).
+        lag = [(version - v, k) for g in groups for s in g.samples for v, k in s.version_spans]
+        lag_tokens = sum(k for _, k in lag)
         ntok = max(acc["ntok"], 1.0)
         log.debug("step %d (version %d): %d tokens, %d updates, %.3f s", self.steps, version, tokens, len(norms), dt)
         return {
@@ -338,6 +341,8 @@ class TorchTrainBackend:
             "is_weight_mean": acc["is_weight_sum"] / ntok,
             "is_truncated_frac": acc["is_truncated"] / ntok,
             "masked_frac": acc["masked"] / ntok,
+            "token_staleness_mean": sum(d * k for d, k in lag) / lag_tokens if lag_tokens else 0.0,
+            "token_staleness_max": max((d for d, k in lag if k), default=0),
             "clip_frac": acc["clipped"] / ntok,
             "grad_norm": float(np.mean(norms)) if norms else 0.0,
             "updates": len(norms),
