@@ -61,8 +61,10 @@ def comparison_table(name: str, summary: dict) -> Table:
     """One row per mode, narrow enough for an 80-column terminal."""
     modes = summary["modes"]
     lost = sum(row["samples/lost"] for row in modes.values())
+    seeds = summary.get("seeds")
+    which = f"mean over seeds {', '.join(map(str, seeds))}" if seeds else "one seed"
     t = Table(
-        title=f"{name}: one workload, one seed, every mode",
+        title=f"{name}: one workload, {which}, every mode",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
@@ -95,6 +97,84 @@ def comparison_table(name: str, summary: dict) -> Table:
             f"{row['staleness/mean']:.2f}/{row['staleness/max']}",
         )
     return t
+
+
+def target_table(name: str, summary: dict) -> Table | None:
+    """Time to the target reward per mode, against sync, and the final reward; over several
+    seeds as mean ± standard deviation. None when no mode reports rewards (the sim)."""
+    modes = summary["modes"]
+    if not any("learn/reached_target" in row for row in modes.values()):
+        return None
+    over = summary.get("over_seeds")
+    target = next(row["learn/target_reward"] for row in modes.values() if "learn/target_reward" in row)
+    t = Table(
+        title=f"{name}: time to reward {target:g}", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+        caption=(
+            "Time and trained samples until the trailing mean batch reward first reaches the target; "
+            "vs sync: how many times sooner than sync"
+            + ("; mean ± std over the seeds that reached it" if over else "") + "."
+        ),
+        caption_justify="left",
+    )
+    for col in ("mode", "reached", "time to target", "samples", "vs sync", "final reward"):
+        t.add_column(col, justify="left" if col == "mode" else "right", no_wrap=True)
+    for mode, row in modes.items():
+        if "learn/reached_target" not in row:
+            t.add_row(mode, *["-"] * 5)
+            continue
+        if over:
+            o = over[mode]
+            n = len(o["learn/reached_target"]["per_seed"])
+            cells = [
+                f"{o['learn/time_to_target_s']['n']}/{n} seeds",
+                _spread("learn/time_to_target_s", o["learn/time_to_target_s"]),
+                _spread("learn/samples_to_target", o["learn/samples_to_target"]),
+                _spread("speedup_vs_sync", o.get("speedup_to_target_vs_sync")),
+                _spread("learn/final_reward", o["learn/final_reward"]),
+            ]
+        else:
+            reached = bool(row["learn/reached_target"])
+            cells = [
+                "yes" if reached else "no",
+                _fmt("learn/time_to_target_s", row["learn/time_to_target_s"]) if reached else "not reached",
+                _fmt("learn/samples_to_target", row["learn/samples_to_target"]),
+                _fmt("speedup_vs_sync", row.get("speedup_to_target_vs_sync")),
+                _fmt("learn/final_reward", row["learn/final_reward"]),
+            ]
+        t.add_row(mode, *cells)
+    return t
+
+
+def seeds_table(name: str, summary: dict) -> Table | None:
+    """Throughput per mode over several seeds: mean ± standard deviation, and min..max. None
+    for a run of one seed."""
+    over = summary.get("over_seeds")
+    if not over:
+        return None
+    t = Table(
+        title=f"{name}: over seeds {', '.join(map(str, summary['seeds']))}", title_justify="left",
+        box=box.SIMPLE_HEAD, pad_edge=False,
+        caption="mean ± sample std, then min..max, over seeds; vs sync: each seed against its own sync, in samples/s.",
+        caption_justify="left",
+    )
+    shown = (("throughput/trained_samples_per_s", "samples/s"), ("throughput/trained_tokens_per_s", "tokens/s"),
+             ("speedup_vs_sync", "vs sync"))
+    t.add_column("mode", no_wrap=True)
+    for _, title in shown:
+        t.add_column(title, justify="right", no_wrap=True)
+    for mode, o in over.items():
+        t.add_row(mode, *[_spread(k, o.get(k), bounds=True) for k, _ in shown])
+    return t
+
+
+def _spread(key: str, s: dict | None, bounds: bool = False) -> str:
+    if s is None or s["mean"] is None:
+        return "-"
+    fmt = _compact if key == "throughput/trained_tokens_per_s" else (lambda v: _fmt(key, v))
+    text = f"{fmt(s['mean'])} ± {fmt(s['std'])}"
+    if bounds:
+        text += f" ({fmt(s['min'])}..{fmt(s['max'])})"
+    return text
 
 
 def _compact(v: float) -> str:
@@ -187,6 +267,8 @@ def _fmt(key: str, v) -> str:
         return f"{100 * v:.0f}%"
     if key == "speedup_vs_sync":
         return f"{v:.2f}x"
+    if key.endswith("_to_target"):  # samples or tokens: counts, a mean over seeds included
+        return f"{v:,.0f}"
     if key.endswith("_per_s"):
         return f"{v:,.2f}"
     if key.endswith("_s"):

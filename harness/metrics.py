@@ -9,10 +9,12 @@ says where it comes from: ``spans`` (engine and trainer busy time) or ``nvml`` (
 
 from __future__ import annotations
 
+import math
 import resource
 
 import numpy as np
 
+from core.model.config import LearnSpec
 from core.model.result import RunResult
 from core.sim.bound import Bound, pipeline_bound, trained_lengths
 from core.sim.costs import matmul_params
@@ -20,6 +22,9 @@ from core.sim.workload import Workload
 
 # Keys whose values depend on the machine, not on the scenario and seed.
 WALL_CLOCK_KEYS = frozenset({"sim/wall_s", "mem/peak_rss_mb"})
+# Points of learn/reward_at_samples: the same grid of trained samples in every mode.
+REWARD_POINTS = 10
+REACH_TOLERANCE = 1e-9
 
 
 def _mean(xs: list[float]) -> float:
@@ -171,6 +176,9 @@ def collect(
     else:
         m["sim/duration_s"] = end
         m["sim/wall_s"] = result.wall_s
+    # Time to reward, wherever the trainer reports rewards (real runtimes); absent on the sim.
+    plan = sc.trainer.steps * sc.trainer.batch_size
+    m.update(reward_progress(result.trainer.step_info, sc.target_reward, sc.learn.reward_window, plan))
     # The process's high-water mark so far (Linux: KiB), not this run's alone: what a load
     # run must show stays flat.
     m["mem/peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -227,6 +235,68 @@ def _learned(result: RunResult, end: float) -> dict:
         m["eval/reward_first"] = evals[0]["reward_mean"]
         m["eval/reward_last"] = evals[-1]["reward_mean"]
     return m
+
+
+def trailing_rewards(rewards: list[float], window: int) -> list[float]:
+    """Each step's mean batch reward over its last ``window`` steps (fewer at the start)."""
+    out = []
+    for i in range(len(rewards)):
+        last = rewards[max(0, i + 1 - window):i + 1]
+        out.append(math.fsum(last) / len(last))
+    return out
+
+
+def reward_progress(step_info: list[dict], target: float, window: int, planned_samples: int) -> dict:
+    """Time, trained samples and tokens to ``target``: at the end of the first step whose
+    trailing mean batch reward over ``window`` steps (only once that many exist) reaches it,
+    on the run's clock (zero at its start). Not reached: None, and ``learn/reached_target`` 0.
+    Empty when no step has a reward (the sim)."""
+    info = [i for i in step_info if "reward_mean" in i]
+    if not info:
+        return {}
+    rewards = [float(i["reward_mean"]) for i in info]
+    trail = trailing_rewards(rewards, window)
+    # Within float rounding: three batches of 0.3, 0.4, 0.5 average to 0.4 and reach a target of 0.4.
+    hit = next((k for k in range(window - 1, len(info)) if trail[k] >= target - REACH_TOLERANCE), None)
+    m: dict = {
+        "learn/target_reward": target,
+        "learn/reward_window": window,
+        "learn/reached_target": int(hit is not None),
+        "learn/time_to_target_s": None if hit is None else float(info[hit]["end_s"]),
+        "learn/samples_to_target": None if hit is None else int(info[hit]["trainings"]),
+    }
+    if all("tokens" in i for i in info):
+        m["learn/tokens_to_target"] = None if hit is None else int(sum(i["tokens"] for i in info[:hit + 1]))
+    m["learn/final_reward"] = math.fsum(rewards[-window:]) / len(rewards[-window:])
+    m["learn/reward_at_samples"] = reward_at_samples([int(i["trainings"]) for i in info], trail, planned_samples)
+    return m
+
+
+def reward_at_samples(trainings: list[int], trail: list[float], planned: int, points: int = REWARD_POINTS) -> dict:
+    """Trailing reward at ``points`` evenly spaced counts of trained samples up to ``planned``
+    (the run's whole plan, the same in every mode): each the last step's at or below that count,
+    None before the first step. Modes compare at equal samples, whatever their speed."""
+    grid = [round(planned * (j + 1) / points) for j in range(points)]
+    reward = []
+    for s in grid:
+        k = int(np.searchsorted(trainings, s, side="right")) - 1
+        reward.append(trail[k] if k >= 0 else None)
+    return {"trained_samples": grid, "reward": reward}
+
+
+def reward_curve(rep: dict) -> dict | None:
+    """A report's trailing batch reward against its run's seconds and trained samples; None
+    without rewards (the sim)."""
+    s = rep.get("series", {})
+    if not s.get("learn_reward_mean"):
+        return None
+    # A report written before learn.reward_window existed was averaged over the default.
+    window = rep["scenario"].get("learn", {}).get("reward_window", LearnSpec().reward_window)
+    return {
+        "time_s": list(s["learn_step_end_s"]),
+        "samples": list(s["learn_trained_samples"]),
+        "reward": trailing_rewards(s["learn_reward_mean"], window),
+    }
 
 
 def series(result: RunResult) -> dict[str, list]:

