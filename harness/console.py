@@ -111,16 +111,17 @@ def target_table(name: str, summary: dict) -> Table | None:
         title=f"{name}: time to reward {target:g}", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
         caption=(
             "Time and trained samples until the trailing mean batch reward first reaches the target; "
-            "vs sync: how many times sooner than sync"
+            "vs sync: how many times sooner than sync; final reward: mean batch reward of the last "
+            "learn.reward_window steps; 2nd half: of the second half of the steps (equal trained samples in every mode)"
             + ("; mean ± std over the seeds that reached it" if over else "") + "."
         ),
         caption_justify="left",
     )
-    for col in ("mode", "reached", "time to target", "samples", "vs sync", "final reward"):
+    for col in ("mode", "reached", "time to target", "samples", "vs sync", "final reward", "2nd half"):
         t.add_column(col, justify="left" if col == "mode" else "right", no_wrap=True)
     for mode, row in modes.items():
         if "learn/reached_target" not in row:
-            t.add_row(mode, *["-"] * 5)
+            t.add_row(mode, *["-"] * 6)
             continue
         if over:
             o = over[mode]
@@ -131,6 +132,7 @@ def target_table(name: str, summary: dict) -> Table | None:
                 _spread("learn/samples_to_target", o["learn/samples_to_target"]),
                 _spread("speedup_vs_sync", o.get("speedup_to_target_vs_sync")),
                 _spread("learn/final_reward", o["learn/final_reward"]),
+                _spread("learn/final_reward", o["learn/reward_second_half"]),
             ]
         else:
             reached = bool(row["learn/reached_target"])
@@ -140,6 +142,7 @@ def target_table(name: str, summary: dict) -> Table | None:
                 _fmt("learn/samples_to_target", row["learn/samples_to_target"]),
                 _fmt("speedup_vs_sync", row.get("speedup_to_target_vs_sync")),
                 _fmt("learn/final_reward", row["learn/final_reward"]),
+                _fmt("learn/final_reward", row["learn/reward_second_half"]),
             ]
         t.add_row(mode, *cells)
     return t

@@ -268,6 +268,11 @@ def reward_progress(step_info: list[dict], target: float, window: int, planned_s
     if all("tokens" in i for i in info):
         m["learn/tokens_to_target"] = None if hit is None else int(sum(i["tokens"] for i in info[:hit + 1]))
     m["learn/final_reward"] = math.fsum(rewards[-window:]) / len(rewards[-window:])
+    # Every mode trains the same samples per step: the mean over the second half of the steps
+    # compares modes at equal trained samples, with ten times fewer seeds' worth of noise than
+    # the last few batches.
+    late = rewards[len(rewards) // 2:]
+    m["learn/reward_second_half"] = math.fsum(late) / len(late)
     m["learn/reward_at_samples"] = reward_at_samples([int(i["trainings"]) for i in info], trail, planned_samples)
     return m
 

@@ -69,6 +69,7 @@ SUMMARY_KEYS = (
     "learn/samples_to_target",
     "learn/tokens_to_target",
     "learn/final_reward",
+    "learn/reward_second_half",
 )
 # What a run over several seeds reports per seed, with mean and spread.
 SEED_KEYS = (
@@ -78,6 +79,7 @@ SEED_KEYS = (
     "learn/samples_to_target",
     "learn/tokens_to_target",
     "learn/final_reward",
+    "learn/reward_second_half",
     "learn/reached_target",
     "speedup_vs_sync",
     "speedup_vs_sync_tokens",

@@ -43,6 +43,7 @@ def test_reached_at_the_first_step_whose_trailing_mean_reaches_the_target():
     assert m["learn/tokens_to_target"] == 5 * 100
     assert m["learn/target_reward"] == 0.4 and m["learn/reward_window"] == 3
     assert m["learn/final_reward"] == pytest.approx(0.5)
+    assert m["learn/reward_second_half"] == pytest.approx(0.5)  # steps 4-6: 0.4, 0.5, 0.6
 
 
 def test_the_trailing_window_must_be_full_and_a_spike_is_averaged_away():
