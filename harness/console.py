@@ -132,7 +132,7 @@ def target_table(name: str, summary: dict) -> Table | None:
                 _spread("learn/samples_to_target", o["learn/samples_to_target"]),
                 _spread("speedup_vs_sync", o.get("speedup_to_target_vs_sync")),
                 _spread("learn/final_reward", o["learn/final_reward"]),
-                _spread("learn/final_reward", o["learn/reward_second_half"]),
+                _spread("learn/final_reward", o.get("learn/reward_second_half")),
             ]
         else:
             reached = bool(row["learn/reached_target"])
@@ -142,7 +142,7 @@ def target_table(name: str, summary: dict) -> Table | None:
                 _fmt("learn/samples_to_target", row["learn/samples_to_target"]),
                 _fmt("speedup_vs_sync", row.get("speedup_to_target_vs_sync")),
                 _fmt("learn/final_reward", row["learn/final_reward"]),
-                _fmt("learn/final_reward", row["learn/reward_second_half"]),
+                _fmt("learn/final_reward", row.get("learn/reward_second_half")),
             ]
         t.add_row(mode, *cells)
     return t
