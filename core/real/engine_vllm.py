@@ -8,14 +8,38 @@ directory: tensors passed over the engine's RPC would be serialized into lists.
 
 Implements the ``Engine`` protocol of ``core/api.py``. vLLM is imported in ``start()``
 only, so importing this module stays cheap.
+
+In-flight weight updates (``freeze``, ``update_weights``, ``thaw``) use what vLLM 0.32 has:
+``AsyncLLM.pause_generation(mode="keep", clear_cache=False)`` stops the scheduler between
+two engine steps (``PAUSED_ALL``: no token is scheduled) with every request and its KV blocks
+kept; ``reload_weights`` then swaps the weights under them, and ``resume_generation`` goes on
+decoding from the kept KV. Token versions come from vLLM itself: the engine core labels every
+step's outputs with its weight version (``set_weight_version``), and the output processor
+turns those labels into (version, first token) runs per request. So a token sampled before
+the pause but read from the stream after it still carries the old version: it is tagged by the
+step that sampled it, never by when it was read.
+
+What vLLM cannot do, and what stands in for it:
+
+* KV computed under the old weights stays under a running request after the update (its
+  prompt and the tokens before the freeze are not recomputed): that is the point of keeping it.
+* The prefix cache cannot be reset while requests hold blocks, and vLLM has no call that drops
+  only the free cached blocks. Every request is therefore submitted with its version as cache
+  salt, so a request of a newer version never hits a prefix computed by older weights. A request
+  submitted while frozen, before the new weights load, carries the old salt but is prefilled
+  after ``thaw`` on the new weights.
+* Frozen time counts as busy: the requests are held, their KV resident.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import logging
+import math
 import os
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -33,7 +57,7 @@ VLLM_ENV_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SP
 
 
 class _Request:
-    __slots__ = ("id", "sample", "ctx", "tokens", "logprobs", "task", "done")
+    __slots__ = ("id", "sample", "ctx", "tokens", "logprobs", "spans", "task", "done")
 
     def __init__(self, rid: str, sample: Sample, ctx: int = 0) -> None:
         self.id = rid
@@ -41,12 +65,22 @@ class _Request:
         self.ctx = ctx  # context tokens when submitted
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
+        self.spans: list[list[int]] = []  # [version, n] runs over ``tokens``
         self.task: Optional[asyncio.Task] = None
         self.done = False
 
 
 class VllmEngine(EngineMeter):
-    """A rollout engine backed by one vLLM ``AsyncLLM``."""
+    """A rollout engine backed by one vLLM ``AsyncLLM``.
+
+    ``freeze``/``thaw`` keep generations running across a weight update (see the module
+    docstring for what vLLM 0.32 allows and what is missing). Whether the KV cache survived
+    shows in ``scheduled_tokens`` (every position the model computed, prefill and decode,
+    from vLLM's per-step iteration details) and ``preempted_requests`` (requests vLLM
+    rescheduled after preempting them, recomputing their context): after a thaw the first
+    grows by one per token decoded, the second not at all. ``prefill_tokens`` cannot show it:
+    it is counted once per request, at its first output.
+    """
 
     def __init__(
         self,
@@ -83,6 +117,11 @@ class VllmEngine(EngineMeter):
         self._tied = False
         self._ids = itertools.count()
         self._live: dict[str, _Request] = {}
+        self._frozen = False
+        self.scheduled_tokens = 0
+        self.preempted_requests = 0
+        # Wall-clock times of thaws: a step gap spanning one is a freeze, not a step.
+        self._thaws: list[float] = []
         # One row per engine step, for calibration: (time, running, context held, prompt tokens, generated tokens).
         self.iterations: list[tuple[float, int, int, int, int]] = []
 
@@ -120,6 +159,8 @@ class VllmEngine(EngineMeter):
             seed=self.seed,
             # Behaviour log-probs must be those of the distribution sampled from (after temperature).
             logprobs_mode="processed_logprobs",
+            # Per-step scheduled tokens: what shows that a thaw prefilled nothing again.
+            enable_logging_iteration_details=True,
         )
         if self.device != "cpu":
             kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
@@ -130,6 +171,7 @@ class VllmEngine(EngineMeter):
         self._tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         eos = hf_config.eos_token_id
         self.eos_token_id = int(eos[0] if isinstance(eos, (list, tuple)) else eos)
+        await self._engine.engine_core.set_weight_version_async(str(self.version))
         log.info("%s: vLLM started on %s (%s)", self.name, self.model_dir, self.device)
 
     async def generate(self, group: Group, max_response_len: int) -> bool:
@@ -175,8 +217,23 @@ class VllmEngine(EngineMeter):
             await asyncio.gather(*(r.task for r in reqs), return_exceptions=True)
         return len(reqs)
 
+    async def freeze(self) -> None:
+        """Stop between two engine steps; requests and their KV blocks stay in vLLM."""
+        if self._frozen:
+            return
+        await self._engine.pause_generation(mode="keep", clear_cache=False)
+        self._frozen = True
+
+    async def thaw(self) -> None:
+        if not self._frozen:
+            return
+        self._thaws.append(time.time())
+        await self._engine.resume_generation()
+        self._frozen = False
+
     async def update_weights(self, version: int, weights: Optional[dict[str, np.ndarray]] = None) -> None:
-        if self._live:
+        """Load ``weights`` as ``version``: on an idle engine, or under requests kept by ``freeze``."""
+        if self._live and not self._frozen:
             raise RuntimeError(f"{self.name}: update_weights with requests in flight; pause the rollout first")
         if weights is not None:
             root = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -189,12 +246,20 @@ class VllmEngine(EngineMeter):
                 await self._engine.collective_rpc("reload_weights", kwargs={"weights_path": wdir})
             finally:
                 discard_owned(owned, "weights")
-            # Cached prefixes hold KV of the old weights.
-            await self.clear_cache()
+            if not self._frozen:
+                # Cached prefixes hold KV of the old weights (frozen, the version salt keeps them apart).
+                await self.clear_cache()
+        # Labels every step from here on; frozen, the next step is after thaw.
+        await self._engine.engine_core.set_weight_version_async(str(version))
         self.version = version
 
     async def clear_cache(self) -> None:
         """Drop vLLM's prefix cache; retried while just-aborted requests still hold blocks."""
+        if self._frozen and self._live:
+            # Kept requests hold their blocks, so no reset can succeed; the version salt
+            # already keeps newer requests off prefixes of older weights.
+            log.debug("%s: frozen with requests kept, prefix cache left as it is", self.name)
+            return
         for _ in range(100):
             if await self._engine.reset_prefix_cache():
                 return
@@ -221,7 +286,9 @@ class VllmEngine(EngineMeter):
             output_kind=RequestOutputKind.DELTA,
         )
         counted = False
-        stream = self._engine.generate(TokensPrompt(prompt_token_ids=context), params, request_id=req.id)
+        # Salted by version: cached prefixes are shared only by requests of the same weights.
+        prompt = TokensPrompt(prompt_token_ids=context, cache_salt=f"v{self.version}")
+        stream = self._engine.generate(prompt, params, request_id=req.id)
         try:
             async for out in stream:
                 if req.done:  # aborted: later tokens are never seen
@@ -230,6 +297,8 @@ class VllmEngine(EngineMeter):
                     counted = True
                     self.prefill_tokens += len(context) - (out.num_cached_tokens or 0)
                 o = out.outputs[0]
+                if o.token_ids:
+                    self._tag(req, len(o.token_ids), o.weight_versions)
                 for tok, lps in zip(o.token_ids, o.logprobs, strict=True):
                     req.tokens.append(int(tok))
                     req.logprobs.append(float(lps[tok].logprob))
@@ -246,8 +315,48 @@ class VllmEngine(EngineMeter):
             self._release(req, finished=False)
         return False
 
+    def _tag(self, req: _Request, n: int, final: Any) -> None:
+        """Record the versions of the request's next ``n`` tokens, as vLLM labelled the steps
+        that sampled them: from the finished output's spans, else from the live request state."""
+        starts: list[tuple[str, int]] = []
+        if final is not None:
+            starts = [(s.version, s.start) for s in final]
+        else:
+            op = self._engine.output_processor
+            for rid in reversed(op.external_req_ids.get(req.id, ())):
+                state = op.request_states.get(rid)
+                if state is not None:
+                    starts = list(state.weight_version_starts)
+                    break
+        runs = [(self._label_version(v), s) for v, s in starts]
+        if not runs or runs[0][1] > 0:  # unlabelled tokens (not expected): the version now
+            runs.insert(0, (self.version, 0))
+        lo, hi = len(req.tokens), len(req.tokens) + n
+        for i, (v, s) in enumerate(runs):
+            e = runs[i + 1][1] if i + 1 < len(runs) else math.inf
+            k = int(min(e, hi) - max(s, lo))
+            if k <= 0:
+                continue
+            if req.spans and req.spans[-1][0] == v:
+                req.spans[-1][1] += k
+            else:
+                req.spans.append([v, k])
+
+    def _label_version(self, label: str) -> int:
+        try:
+            return int(label)
+        except ValueError:
+            return self.version
+
     # -- bookkeeping -------------------------------------------------------------------------------
     def _on_iteration(self, sched: Any, it: Any) -> None:
+        if sched is not None:
+            details = getattr(sched, "iteration_details", None)
+            if details is not None:
+                self.scheduled_tokens += details.num_ctx_tokens + details.num_generation_tokens
+            cache = getattr(sched, "prefix_cache_stats", None)
+            if cache is not None:
+                self.preempted_requests += cache.preempted_requests
         if it is None:
             return
         running = sched.num_running_reqs if sched is not None else len(self._live)
@@ -257,10 +366,12 @@ class VllmEngine(EngineMeter):
     def step_spans(self) -> dict:
         """vLLM mixes prefill into decode steps (chunked prefill): each step is one row
         (running, context held, prompt tokens, seconds), its time the gap since the previous
-        step's outputs while requests were running (a gap after an idle engine is dropped)."""
+        step's outputs while requests were running (a gap after an idle engine, or across a
+        freeze, is dropped)."""
         steps = []
         for (t0, run0, _, _, _), (t1, run1, ctx, prompt, _) in zip(self.iterations, self.iterations[1:]):
-            if run0 > 0:
+            thawed = bisect.bisect_right(self._thaws, t0) < bisect.bisect_right(self._thaws, t1)
+            if run0 > 0 and not thawed:
                 steps.append((run1, ctx, prompt, t1 - t0))
         return {"steps": steps}
 
@@ -268,7 +379,12 @@ class VllmEngine(EngineMeter):
         now = asyncio.get_running_loop().time()
         self._advance(now)
         req.done = True
-        self._deliver(req.sample, req.tokens, req.logprobs, finished, now)
+        i = 0
+        for v, n in req.spans:
+            req.sample.add_tokens(n, v, req.tokens[i : i + n], req.logprobs[i : i + n])
+            i += n
+        self.tokens_generated += i
+        self._deliver(req.sample, [], [], finished, now)
         self._live.pop(req.id, None)
         self._idle(now)
 
