@@ -1,7 +1,9 @@
 """Shared pytest configuration for the test suite."""
 
+import asyncio
 import os
 
+import numpy as np
 import pytest
 
 from hypothesis import settings
@@ -42,3 +44,26 @@ def tiny_model_dir(tmp_path_factory):
     from core.real.tiny_model import ensure
 
     return ensure(tmp_path_factory.mktemp("tiny") / "tiny-qwen2")
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """One event loop per module, for engines whose calls the tests drive one by one."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def weights(tiny_model_dir) -> dict:
+    """The tiny model's weights, as the trainer would send them."""
+    from safetensors.numpy import load_file
+
+    return load_file(str(tiny_model_dir / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def perturbed(weights) -> dict:
+    """Other weights of the same shapes: what a trainer step could have made of them."""
+    rng = np.random.default_rng(1)
+    return {k: (v + rng.normal(0.0, 0.05, v.shape)).astype(np.float32) for k, v in weights.items()}

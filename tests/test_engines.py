@@ -22,6 +22,7 @@ import torch  # noqa: E402
 
 from core.model.sample import Group, Sample  # noqa: E402
 from core.model.timeline import GENERATE, Timeline  # noqa: E402
+from tests.polling import wait_for  # noqa: E402
 
 ENGINES = ["torch", "vllm"]
 # Teacher-forced log-probs agree to float32 noise on torch; vLLM's CPU kernels differ more.
@@ -31,30 +32,8 @@ _uids = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from core.real.tiny_model import ensure
-
-    return ensure(tmp_path_factory.mktemp("m") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
-def weights(model_dir) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    return load_file(str(model_dir / "model.safetensors"))
-
-
-@pytest.fixture(scope="module")
-def perturbed(weights) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(1)
-    return {k: (v + rng.normal(0.0, 0.05, v.shape)).astype(np.float32) for k, v in weights.items()}
+def model_dir(tiny_model_dir):
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -118,13 +97,6 @@ def check_sample(s: Sample, max_len: int, eos: int) -> None:
         assert eos not in s.response_tokens[:-1]
         assert s.started_at <= s.finished_at
 
-
-async def wait_for(cond, timeout: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        assert loop.time() < end, "timed out"
-        await asyncio.sleep(0.001)
 
 
 def test_group_generates(engine, loop):

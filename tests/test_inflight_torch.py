@@ -14,12 +14,12 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from safetensors.numpy import load_file
 
 from core.model.sample import Group, Sample
 from core.model.timeline import GENERATE, Timeline
 from core.real.engine_torch import TorchEngine
 from core.real.tiny_model import load_model
+from tests.polling import wait_for
 
 PROMPT = [2, 5, 9, 12, 7, 3]
 MAX_LEN = 64
@@ -27,22 +27,7 @@ ATOL = 1e-3
 _uids = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
 
-
-@pytest.fixture(scope="module")
-def weights(tiny_model_dir) -> dict[str, np.ndarray]:
-    return load_file(str(tiny_model_dir / "model.safetensors"))
-
-
-@pytest.fixture(scope="module")
-def perturbed(weights) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(1)
-    return {k: (v + rng.normal(0.0, 0.05, v.shape)).astype(np.float32) for k, v in weights.items()}
 
 
 def start_engine(model_dir, loop, **kw) -> TorchEngine:
@@ -72,13 +57,6 @@ def check_sample(s: Sample) -> None:
     assert sum(n for _, n in s.version_spans) == s.n_response
     assert all(n > 0 for _, n in s.version_spans)
 
-
-async def wait_for(cond, timeout: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        assert loop.time() < end, "timed out"
-        await asyncio.sleep(0.001)
 
 
 async def freeze_after(engine: TorchEngine, steps: int) -> None:

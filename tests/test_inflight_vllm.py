@@ -24,6 +24,7 @@ import pytest  # noqa: E402
 
 from core.model.sample import Group, Sample  # noqa: E402
 from core.real.engine_vllm import VllmEngine, _Request  # noqa: E402
+from tests.polling import wait_for  # noqa: E402
 
 ATOL = 1e-2  # vLLM's CPU kernels against the HF model, as in test_engines
 PROMPT = [2, 5, 9, 12, 7, 3]
@@ -31,24 +32,7 @@ MAX_LEN = 64
 _uids = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
 
-
-@pytest.fixture(scope="module")
-def weights(tiny_model_dir) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    return load_file(str(tiny_model_dir / "model.safetensors"))
-
-
-@pytest.fixture(scope="module")
-def perturbed(weights) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(1)
-    return {k: (v + rng.normal(0.0, 0.05, v.shape)).astype(np.float32) for k, v in weights.items()}
 
 
 @pytest.fixture(scope="module")
@@ -95,13 +79,6 @@ def check_sample(s: Sample, eos: int) -> None:
         assert s.response_tokens[-1] == eos or s.n_response == MAX_LEN
 
 
-async def wait_for(cond, timeout: float = 30.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        assert loop.time() < end, "timed out"
-        await asyncio.sleep(0.002)
-
 
 def all_running(engine: VllmEngine, g: Group, tokens: int = 3):
     """True once every sample of ``g`` is live, having streamed ``tokens`` (prefilled, decoding),
@@ -144,7 +121,7 @@ def test_freeze_update_thaw_keeps_requests_and_their_kv(engine, loop, weights, p
 
     async def run():
         task = asyncio.create_task(engine.generate(g, MAX_LEN))
-        await wait_for(all_running(engine, g))
+        await wait_for(all_running(engine, g), timeout=30.0, every=0.002)
         await engine.freeze()
         t_frozen = time.time()
         seen = {r.sample.uid: len(r.tokens) for r in engine._live.values()}
@@ -215,7 +192,7 @@ def test_abort_all_while_frozen(engine, loop, weights):
 
     async def run():
         task = asyncio.create_task(engine.generate(g, MAX_LEN))
-        await wait_for(all_running(engine, g))
+        await wait_for(all_running(engine, g), timeout=30.0, every=0.002)
         await engine.freeze()
         live = {r.sample.uid for r in engine._live.values()}
         assert await engine.abort_all() == len(live)
