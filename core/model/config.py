@@ -90,9 +90,9 @@ class ResourcesSpec(_Frozen):
     Read by: every runtime (on a machine without GPUs a real run counts CPU cores instead)."""
 
     rollout_gpus: int = Field(64, ge=1)
-    """GPUs serving rollout in async and partial modes (verl table: 64 of 128)."""
+    """GPUs serving rollout in async, partial and inflight modes (verl table: 64 of 128)."""
     trainer_gpus: int = Field(64, ge=1)
-    """GPUs training in async and partial modes (verl table: 64 of 128)."""
+    """GPUs training in async, partial and inflight modes (verl table: 64 of 128)."""
     gpus_per_engine: int = Field(1, ge=1)
     """Tensor-parallel size of one rollout engine; a 7B model fits one H20 (96 GB)."""
 
