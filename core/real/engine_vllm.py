@@ -379,12 +379,11 @@ class VllmEngine(EngineMeter):
         now = asyncio.get_running_loop().time()
         self._advance(now)
         req.done = True
-        i = 0
-        for v, n in req.spans:
-            req.sample.add_tokens(n, v, req.tokens[i : i + n], req.logprobs[i : i + n])
-            i += n
-        self.tokens_generated += i
-        self._deliver(req.sample, [], [], finished, now)
+        cuts, n = [], 0  # the meter's (first token, version) runs, from the [version, n] spans
+        for v, k in req.spans:
+            cuts.append((n, v))
+            n += k
+        self._deliver(req.sample, req.tokens[:n], req.logprobs[:n], finished, now, cuts or None)
         self._live.pop(req.id, None)
         self._idle(now)
 
