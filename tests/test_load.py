@@ -244,9 +244,11 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(4 * 2**20)}
 # four of the 120 s runs, Python's allocated blocks about 1,500 in two. By estimate, keeping a
 # copy of the weights (1.2 MB) at every version would add about 18 MiB held there, keeping every
 # sample about 35,000 blocks. The suite's 8 s run is too short to see leaks that small:
-# ``make load`` is this runtime's memory check.
+# ``make load`` is this runtime's memory check. Its quarters are 2 s, one padded trainer step, so
+# whether a step's tensors are live in one and not the other moves what malloc holds by a step's
+# worth: 4.55 MiB in one fresh-clone run (pure backend) while the heap shrank 229 -> 220 MiB.
 LOCAL_GROWTH_MB = 64.0
-LOCAL_HELD_MB = 4.0
+LOCAL_HELD_MB = 8.0
 
 
 class SlowTrainer:
