@@ -186,7 +186,7 @@ class SimEngine:
         self._advance(now)
         n = len(self._heap) + len(self._waiting)
         for _, _, req in self._heap:
-            done = min(req.steps, int(math.floor(self._S - req.join + _EPS)))
+            done = self._tokens_so_far(req)
             self._emit(req, done)
             self._release(req.waiter, aborted=aborted, lost=not aborted)
         for req in self._waiting:
@@ -221,9 +221,8 @@ class SimEngine:
             return
         now = asyncio.get_running_loop().time()
         self._advance(now)
-        S = self._S
         for _, _, req in self._heap:
-            done = min(req.steps, int(math.floor(S - req.join + _EPS)))
+            done = self._tokens_so_far(req)
             if done > 0:
                 self._emit(req, done)
                 # The request goes on from here with those tokens as context: its completion
@@ -456,7 +455,7 @@ class SimEngine:
         heap.pop()
         heapq.heapify(heap)
         held = self._S - req.join
-        done = min(req.steps, int(math.floor(held + _EPS)))
+        done = self._tokens_so_far(req)
         self._C -= req.ctx + held
         self._emit(req, done)
         req.steps -= done
@@ -464,6 +463,10 @@ class SimEngine:
         req.preempted = True
         self.preemptions += 1
         self._waiting.appendleft(req)
+
+    def _tokens_so_far(self, req: _Request) -> int:
+        """Whole tokens a running request has decoded since it joined (the anchor is at now)."""
+        return min(req.steps, int(math.floor(self._S - req.join + _EPS)))
 
     def _emit(self, req: _Request, n: int, finished_at: Optional[float] = None) -> None:
         self.tokens_generated += max(n, 0)
