@@ -112,16 +112,19 @@ def target_table(name: str, summary: dict) -> Table | None:
         caption=(
             "Time and trained samples until the trailing mean batch reward first reaches the target; "
             "vs sync: how many times sooner than sync; final reward: mean batch reward of the last "
-            "learn.reward_window steps; 2nd half: of the second half of the steps (equal trained samples in every mode)"
+            "learn.reward_window steps; 2nd half: of the responses policy versions steps/2 .. steps-1-max_staleness "
+            "sampled (the same versions, trained on the same samples, in every mode); "
+            "drift: KL(behaviour || trained policy) per token; length swing: std / mean of the step's response "
+            "length over the second half"
             + ("; mean ± std over the seeds that reached it" if over else "") + "."
         ),
         caption_justify="left",
     )
-    for col in ("mode", "reached", "time to target", "samples", "vs sync", "final reward", "2nd half"):
+    for col in ("mode", "reached", "time to target", "samples", "vs sync", "final reward", "2nd half", "drift", "length swing"):
         t.add_column(col, justify="left" if col == "mode" else "right", no_wrap=True)
     for mode, row in modes.items():
         if "learn/reached_target" not in row:
-            t.add_row(mode, *["-"] * 6)
+            t.add_row(mode, *["-"] * 8)
             continue
         if over:
             o = over[mode]
@@ -132,7 +135,9 @@ def target_table(name: str, summary: dict) -> Table | None:
                 _spread("learn/samples_to_target", o["learn/samples_to_target"]),
                 _spread("speedup_vs_sync", o.get("speedup_to_target_vs_sync")),
                 _spread("learn/final_reward", o["learn/final_reward"]),
-                _spread("learn/final_reward", o.get("learn/reward_second_half")),
+                _spread("learn/final_reward", o.get("learn/version_reward_second_half")),
+                _spread("learn/behaviour_kl", o.get("learn/behaviour_kl")),
+                _spread("learn/length_swing", o.get("learn/length_swing")),
             ]
         else:
             reached = bool(row["learn/reached_target"])
@@ -142,7 +147,9 @@ def target_table(name: str, summary: dict) -> Table | None:
                 _fmt("learn/samples_to_target", row["learn/samples_to_target"]),
                 _fmt("speedup_vs_sync", row.get("speedup_to_target_vs_sync")),
                 _fmt("learn/final_reward", row["learn/final_reward"]),
-                _fmt("learn/final_reward", row.get("learn/reward_second_half")),
+                _fmt("learn/final_reward", row.get("learn/version_reward_second_half")),
+                _fmt("learn/behaviour_kl", row.get("learn/behaviour_kl")),
+                _fmt("learn/length_swing", row.get("learn/length_swing")),
             ]
         t.add_row(mode, *cells)
     return t
@@ -270,6 +277,8 @@ def _fmt(key: str, v) -> str:
         return f"{100 * v:.0f}%"
     if key == "speedup_vs_sync":
         return f"{v:.2f}x"
+    if key == "learn/behaviour_kl":  # 1e-3 (numerics between two kernels) to 1e-1 (a moved policy)
+        return f"{v:.2g}"
     if key.endswith("_to_target"):  # samples or tokens: counts, a mean over seeds included
         return f"{v:,.0f}"
     if key.endswith("_per_s"):

@@ -179,6 +179,7 @@ def collect(
     # Time to reward, wherever the trainer reports rewards (real runtimes); absent on the sim.
     plan = sc.trainer.steps * sc.trainer.batch_size
     m.update(reward_progress(result.trainer.step_info, sc.target_reward, sc.learn.reward_window, plan))
+    m.update(version_reward(result.trainer.step_info, sc.trainer.steps, sc.staleness.max_staleness))
     # The process's high-water mark so far (Linux: KiB), not this run's alone: what a load
     # run must show stays flat.
     m["mem/peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -229,11 +230,30 @@ def _learned(result: RunResult, end: float) -> dict:
         "util/mfu_peak_tflops": peak / 1e12,
         "util/mfu_devices": trainer_devices,
     }
+    m.update(learning_stability(info))
     evals = result.evaluations
     if evals:
         m["eval/count"] = len(evals)
         m["eval/reward_first"] = evals[0]["reward_mean"]
         m["eval/reward_last"] = evals[-1]["reward_mean"]
+    return m
+
+
+def learning_stability(step_info: list[dict]) -> dict:
+    """Two figures that say whether stale data destabilised learning. ``learn/behaviour_kl``: the
+    mean over steps of KL(behaviour || trained policy) per response token, how far the weights
+    moved between sampling a token and training on it. ``learn/length_swing``: over the second
+    half of the steps, the spread (std / mean) of the step's mean response length; on the real
+    task a delayed length signal makes the policy overshoot long, then short, and this grows
+    with staleness (docs/results/2026-11-30-inflight.md)."""
+    m: dict = {}
+    kl = [float(i["behaviour_kl"]) for i in step_info if "behaviour_kl" in i]
+    if kl:
+        m["learn/behaviour_kl"] = math.fsum(kl) / len(kl)
+    lens = [float(np.mean(i["response_lens"])) for i in step_info if i.get("response_lens")]
+    late = lens[len(lens) // 2:]
+    if len(late) >= 2 and np.mean(late) > 0:
+        m["learn/length_swing"] = float(np.std(late) / np.mean(late))
     return m
 
 
@@ -275,6 +295,26 @@ def reward_progress(step_info: list[dict], target: float, window: int, planned_s
     m["learn/reward_second_half"] = math.fsum(late) / len(late)
     m["learn/reward_at_samples"] = reward_at_samples([int(i["trainings"]) for i in info], trail, planned_samples)
     return m
+
+
+def version_reward(step_info: list[dict], steps: int, max_staleness: int) -> dict:
+    """``learn/version_reward_second_half``: the mean over policy versions ``steps // 2`` ..
+    ``steps - 1 - max_staleness`` of the mean reward of the trained responses each version
+    sampled. Version v has been trained on v steps' samples in every mode, and every mode trains
+    what those versions sampled before the run ends, so this compares modes at equal trained
+    samples. The batch reward does not: a step of async trains what a policy up to
+    ``max_staleness`` versions older sampled, so its curve lags by that many steps by construction.
+    Empty without per-response rewards (the sim) or when the range is empty."""
+    lo, hi = steps // 2, steps - 1 - max_staleness
+    per: dict[int, list[float]] = {}
+    for i in step_info:
+        for v, r in zip(i.get("sample_versions", ()), i.get("rewards", ())):
+            if lo <= v <= hi:
+                per.setdefault(int(v), []).append(float(r))
+    if not per:
+        return {}
+    means = [math.fsum(r) / len(r) for r in per.values()]
+    return {"learn/version_reward_second_half": math.fsum(means) / len(means)}
 
 
 def reward_at_samples(trainings: list[int], trail: list[float], planned: int, points: int = REWARD_POINTS) -> dict:
@@ -319,6 +359,8 @@ def series(result: RunResult) -> dict[str, list]:
         out["learn_trained_samples"] = [i["trainings"] for i in info]
         out["learn_reward_mean"] = [i["reward_mean"] for i in info]
         out["learn_loss"] = [i.get("loss") for i in info]
+        out["learn_behaviour_kl"] = [i.get("behaviour_kl") for i in info]
+        out["learn_response_len"] = [float(np.mean(i["response_lens"])) if i.get("response_lens") else None for i in info]
     if result.evaluations:
         out["eval"] = list(result.evaluations)
     if result.faults.records:

@@ -106,6 +106,14 @@ def reward_png(result: RunResult, path: Path) -> None:
     a.plot([i["trainings"] for i in info], [i["reward_mean"] for i in info], ".-", color=COLORS[TRAIN], lw=1)
     a.set_xlabel("trained samples")
     a.set_ylabel("mean reward of the step's batch")
+    lens = [(i["trainings"], float(np.mean(i["response_lens"]))) for i in info if i.get("response_lens")]
+    if lens:
+        # Stale data shows first as a swinging response length (learn/length_swing).
+        a2 = a.twinx()
+        a2.plot([x for x, _ in lens], [y for _, y in lens], "-", color="0.6", lw=0.8)
+        a2.set_ylabel("mean response length (tokens)", color="0.45", fontsize=8)
+        a2.tick_params(labelsize=7, colors="0.45")
+        a2.set_ylim(0, result.scenario.workload.max_response_len)
     b.plot([i["end_s"] for i in info], [i["reward_mean"] for i in info], ".-", color=COLORS[TRAIN], lw=1, label="trained batches")
     ev = result.evaluations
     if ev:

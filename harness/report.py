@@ -70,6 +70,9 @@ SUMMARY_KEYS = (
     "learn/tokens_to_target",
     "learn/final_reward",
     "learn/reward_second_half",
+    "learn/version_reward_second_half",
+    "learn/behaviour_kl",
+    "learn/length_swing",
 )
 # What a run over several seeds reports per seed, with mean and spread.
 SEED_KEYS = (
@@ -81,6 +84,9 @@ SEED_KEYS = (
     "learn/final_reward",
     "learn/reward_second_half",
     "learn/reached_target",
+    "learn/version_reward_second_half",
+    "learn/behaviour_kl",
+    "learn/length_swing",
     "speedup_vs_sync",
     "speedup_vs_sync_tokens",
     "speedup_to_target_vs_sync",

@@ -218,6 +218,20 @@ def test_is_weight_truncated_at_cap(model_dir):
     assert m2["is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
 
 
+@pytest.mark.parametrize("correction", ["decoupled", "none"])
+def test_behaviour_kl_is_zero_on_policy_and_the_k3_of_a_known_shift(model_dir, correction):
+    b = TorchTrainBackend(model_dir, LearnSpec(correction=correction, minibatches=1), threads=THREADS)
+    assert asyncio.run(b.train_step(Batch(_onpolicy_groups(b, model_dir)), 0))["behaviour_kl"] == pytest.approx(0.0, abs=1e-5)
+    # Behaviour log-probs 0.5 above the policy's on every token: r = e^-0.5, KL = r - 1 - log r.
+    b2 = TorchTrainBackend(model_dir, LearnSpec(correction=correction, minibatches=1), threads=THREADS)
+    gs = _onpolicy_groups(b2, model_dir)
+    for g in gs:
+        for s in g.samples:
+            s.logprobs = [x + 0.5 for x in s.logprobs]
+    m = asyncio.run(b2.train_step(Batch(gs), 0))
+    assert m["behaviour_kl"] == pytest.approx(np.exp(-0.5) - 1.0 + 0.5, rel=1e-3)
+
+
 def test_masked_drops_tokens_far_off_policy_and_keeps_the_rest(model_dir):
     cap = 1.5
     b = TorchTrainBackend(model_dir, LearnSpec(is_cap=cap, correction="masked", minibatches=1), threads=THREADS)

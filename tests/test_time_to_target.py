@@ -10,7 +10,7 @@ import pytest
 import harness.run
 from harness import report
 from harness.console import seeds_table, target_table
-from harness.metrics import reward_at_samples, reward_progress, trailing_rewards
+from harness.metrics import learning_stability, reward_at_samples, version_reward, reward_progress, trailing_rewards
 from harness.plots import band
 from harness.run import main
 
@@ -91,6 +91,33 @@ def test_reward_at_samples_is_on_the_same_grid_whatever_the_speed():
 
 
 # -- over seeds -----------------------------------------------------------------------------------
+
+
+def test_length_swing_is_the_spread_of_the_second_half_and_kl_the_mean():
+    info = steps([0.1] * 4)
+    for i, (kl, lens) in enumerate(zip([0.1, 0.2, 0.3, 0.6], [[50, 50], [10, 10], [30, 50], [40, 80]])):
+        info[i]["behaviour_kl"], info[i]["response_lens"] = kl, lens
+    m = learning_stability(info)
+    assert m["learn/behaviour_kl"] == pytest.approx(0.3)
+    # Second half: step means 40 and 60, std 10 around 50.
+    assert m["learn/length_swing"] == pytest.approx(0.2)
+    assert learning_stability(steps([0.1] * 4)) == {}
+
+
+def test_version_reward_compares_the_same_policy_versions_whatever_the_lag():
+    # Policy version v earns reward v / 10. Sync trains version t-1's responses at step t, async
+    # at staleness 2 version t-3's: their batch rewards differ, the versions' rewards do not.
+    def run(lag, n=10):
+        info = steps([max(0, t - 1 - lag) / 10 for t in range(1, n + 1)])
+        for t, i in enumerate(info, start=1):
+            v = max(0, t - 1 - lag)
+            i["sample_versions"], i["rewards"] = [v, v], [v / 10, v / 10]
+        return info
+    sync, stale = run(0), run(2)
+    assert reward_progress(sync, 1, 1, 640)["learn/reward_second_half"] > reward_progress(stale, 1, 1, 640)["learn/reward_second_half"]
+    # Versions 5 .. 10 - 1 - 2 = 7 in both.
+    assert version_reward(sync, 10, 2) == version_reward(stale, 10, 2) == {"learn/version_reward_second_half": pytest.approx(0.6)}
+    assert version_reward(steps([0.1] * 4), 4, 1) == {}
 
 
 def test_spread_over_seeds_on_known_numbers():

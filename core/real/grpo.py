@@ -27,6 +27,10 @@ behaviour policy is the weight. ``masked`` drops the tokens whose weight is far 
 truncating it (masked importance sampling, as in IcePop), so a token sampled by a policy far
 from the current one adds no gradient at all. The loss is the mean over the response tokens of
 the minibatch; prompt tokens are context only.
+
+Each step also reports ``behaviour_kl``, KL(behaviour || policy) per token: how far the weights
+moved between sampling and training. Staleness hurts in proportion to it, not to the version
+count alone (docs/results/2026-11-30-inflight.md).
 """
 
 from __future__ import annotations
@@ -229,6 +233,10 @@ class TorchTrainBackend:
         cap = self.learn.is_cap
         eps = self.learn.clip_eps
         clipped = torch.zeros_like(m)
+        # How far the weights being trained have moved from the ones that sampled each token:
+        # KL(behaviour || policy) per token, k3 estimator (r - 1 - log r >= 0, r = pi / pi_behaviour).
+        log_r = ((lp.detach() if prox is None else prox) - batch.beh) * m
+        drift = (torch.exp(log_r) - 1.0 - log_r) * m
         if correction == "tis":
             log_w = (lp.detach() - batch.beh) * m
             w = torch.exp(log_w).clamp(max=cap)
@@ -257,6 +265,7 @@ class TorchTrainBackend:
             "masked": float((m - kept).sum()),
             "clipped": float((clipped * m).sum()),
             "ntok": float(m.sum()),
+            "drift": float(drift.sum()),
         }
         return loss, stats
 
@@ -305,7 +314,7 @@ class TorchTrainBackend:
                 with torch.no_grad():
                     prox = [self._logprobs(b) for b in batches]
             losses, norms = [], []
-            acc = {"is_weight_sum": 0.0, "is_truncated": 0.0, "masked": 0.0, "clipped": 0.0, "ntok": 0.0}
+            acc = {"is_weight_sum": 0.0, "is_truncated": 0.0, "masked": 0.0, "clipped": 0.0, "ntok": 0.0, "drift": 0.0}
             for b, px in zip(batches, prox):
                 loss, st = self._loss(b, px, self.learn.correction)
                 for k in acc:
@@ -344,6 +353,9 @@ class TorchTrainBackend:
             "token_staleness_mean": sum(d * k for d, k in lag) / lag_tokens if lag_tokens else 0.0,
             "token_staleness_max": max((d for d, k in lag if k), default=0),
             "clip_frac": acc["clipped"] / ntok,
+            # Measured against the step's proximal policy where the correction recomputes it, else
+            # against the weights each minibatch is trained with.
+            "behaviour_kl": acc["drift"] / ntok,
             "grad_norm": float(np.mean(norms)) if norms else 0.0,
             "updates": len(norms),
             "tokens": tokens,
@@ -354,6 +366,11 @@ class TorchTrainBackend:
             "tokens_sq": tokens_sq,
             "threads": self.threads,
             "response_lens": [s.n_response for g in groups for s in g.samples],
+            # The policy each response was sampled by: its newest token's (a response finished
+            # under newer weights counts as theirs), so the reward is never credited to a version
+            # trained on fewer samples than produced it.
+            "rewards": rewards,
+            "sample_versions": [max((v for v, k in s.version_spans if k), default=g.version) for g in groups for s in g.samples],
             "prompt_lens": [s.n_prompt for g in groups for s in g.samples],
             "version": version,
         }
