@@ -15,7 +15,7 @@ import torch
 
 from core.model.config import LearnSpec, TaskSpec
 from core.api import Batch
-from core.real.grpo import TorchTrainBackend, group_advantages, peak_flops
+from core.real.grpo import TorchTrainBackend, group_advantages, peak_flops, second_moment_mask
 from core.real.reward import task_from
 from core.model.sample import Group, Sample
 from core.real.task import Task
@@ -253,7 +253,28 @@ def test_masked_drops_tokens_far_off_policy_and_keeps_the_rest(model_dir):
     assert asyncio.run(t.train_step(Batch(gs), 0))["masked_frac"] == 0.0
 
 
-@pytest.mark.parametrize("correction", ["decoupled", "masked", "none"])
+def test_second_moment_mask_drops_the_fewest_outliers_that_bring_the_mean_under_the_threshold():
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    log_w = torch.tensor([[0.1, -0.6, 0.2, 9.0], [-0.3, 0.0, 5.0, 0.0]])  # 9 and 5 are padding
+    # Squares 0.01, 0.36, 0.04, 0.09, 0: running means of the ascending ones 0, 0.005, 0.0167, 0.035, 0.1.
+    kept = second_moment_mask(log_w, mask, 0.04)
+    assert kept.tolist() == [[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]]
+    assert second_moment_mask(log_w, mask, 1.0).tolist() == mask.tolist()
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        lw = torch.from_numpy(rng.normal(0, rng.uniform(0.05, 1.0), (4, 30)).astype(np.float32))
+        m = torch.from_numpy((rng.random((4, 30)) < 0.8).astype(np.float32))
+        k = second_moment_mask(lw, m, 0.04)
+        assert bool((k <= m).all())
+        sq = lw[k > 0] ** 2
+        assert sq.numel() == 0 or float(sq.mean()) <= 0.04 + 1e-6
+        # Fewest dropped: putting back the smallest dropped token breaks the bound.
+        dropped = (lw ** 2)[(m > 0) & (k == 0)]
+        if dropped.numel():
+            assert float(torch.cat([sq, dropped.min().reshape(1)]).mean()) > 0.04
+
+
+@pytest.mark.parametrize("correction", ["decoupled", "masked", "none", "m2po"])
 def test_every_correction_is_the_policy_gradient_on_policy(model_dir, correction):
     # On policy every weight is 1 and no ratio is clipped: each correction's gradient is TIS's.
     b = TorchTrainBackend(model_dir, LearnSpec(correction="decoupled", minibatches=1), threads=THREADS)

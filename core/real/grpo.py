@@ -17,6 +17,9 @@ and ``learn.correction`` picks the loss:
     decoupled  loss_t = -w_t * PPO(pi_theta / pi_prox)        w_t = min(pi_prox / pi_behaviour, is_cap)
     masked     loss_t = -m_t * w_t * PPO(pi_theta / pi_prox)  w_t = pi_prox / pi_behaviour,
                                                               m_t = [1/is_cap <= w_t <= is_cap]
+    m2po       loss_t = -m_t * (pi_theta / pi_prox) * A_i     m_t: 0 on the tokens of largest
+                                                              (log w_t)^2, as few as keep the mean
+                                                              of the rest <= m2_threshold
 
 ``w`` is always detached. pi_behaviour is per token: the log-prob the engine recorded when it
 sampled the token, under the weights of that token's version, so a response whose tokens span
@@ -25,7 +28,9 @@ decoupled PPO) pi_prox comes from one no-grad forward with the weights at the st
 step: the trust region is measured against it, while the off-policy correction to the
 behaviour policy is the weight. ``masked`` drops the tokens whose weight is far off instead of
 truncating it (masked importance sampling, as in IcePop), so a token sampled by a policy far
-from the current one adds no gradient at all. The loss is the mean over the response tokens of
+from the current one adds no gradient at all. ``m2po`` (Zheng et al. 2025, "Prosperity before
+collapse") replaces the clip by a trust region on the second moment of the log weights: only
+the outliers that push it over the threshold are dropped. The loss is the mean over the response tokens of
 the minibatch; prompt tokens are context only.
 
 Each step also reports ``behaviour_kl``, KL(behaviour || policy) per token: how far the weights
@@ -61,6 +66,20 @@ def group_advantages(rewards: np.ndarray) -> np.ndarray:
     if r.size == 0 or np.ptp(r) == 0.0:
         return np.zeros_like(r, dtype=np.float32)
     return ((r - r.mean()) / (r.std() + ADV_EPS)).astype(np.float32)
+
+
+def second_moment_mask(log_w: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """1 on the response tokens kept, 0 elsewhere: drop the tokens of largest (log w)^2, as few
+    as make the mean of the rest at most ``threshold`` (M2PO's trust region)."""
+    sq = (log_w.detach() ** 2)[mask > 0]
+    order = torch.argsort(sq)
+    running = torch.cumsum(sq[order], 0) / torch.arange(1, sq.numel() + 1, device=sq.device, dtype=sq.dtype)
+    keep = int((running <= threshold).sum())  # the running mean of ascending values never falls
+    flat = torch.zeros_like(sq)
+    flat[order[:keep]] = 1.0
+    out = torch.zeros_like(mask)
+    out[mask > 0] = flat
+    return out
 
 
 def peak_flops(threads: int, device: str = "cpu") -> float:
@@ -242,6 +261,11 @@ class TorchTrainBackend:
             w = torch.exp(log_w).clamp(max=cap)
             per_tok = -w * batch.adv * lp
             kept = m
+        elif correction == "m2po":
+            log_w = (prox - batch.beh) * m
+            kept = second_moment_mask(log_w, m, self.learn.m2_threshold)
+            w = kept
+            per_tok = -kept * torch.exp((lp - prox) * m) * batch.adv
         else:
             # The ratio's reference: the behaviour policy itself (none), or the proximal one.
             ref = batch.beh if correction == "none" else prox
@@ -289,7 +313,7 @@ class TorchTrainBackend:
         with self._lock:
             batch = self._batch(batch)
             prox = None
-            if correction in ("decoupled", "masked"):
+            if correction in ("decoupled", "masked", "m2po"):
                 with torch.no_grad():
                     prox = self._logprobs(batch)
             self.model.zero_grad(set_to_none=True)
