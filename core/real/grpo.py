@@ -254,8 +254,9 @@ class TorchTrainBackend:
         clipped = torch.zeros_like(m)
         # How far the weights being trained have moved from the ones that sampled each token:
         # KL(behaviour || policy) per token, k3 estimator (r - 1 - log r >= 0, r = pi / pi_behaviour).
-        log_r = ((lp.detach() if prox is None else prox) - batch.beh) * m
-        drift = (torch.exp(log_r) - 1.0 - log_r) * m
+        log_r = (((lp.detach() if prox is None else prox) - batch.beh) * m).double()
+        # In float64 and through expm1: at 1e-5 apart, exp(x) - 1 - x in float32 is rounding noise.
+        drift = (torch.expm1(log_r) - log_r).clamp(min=0.0) * m
         if correction == "tis":
             log_w = (lp.detach() - batch.beh) * m
             w = torch.exp(log_w).clamp(max=cap)
