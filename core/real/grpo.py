@@ -34,8 +34,8 @@ the outliers that push it over the threshold are dropped. The loss is the mean o
 the minibatch; prompt tokens are context only.
 
 Each step also reports ``behaviour_kl``, KL(behaviour || policy) per token: how far the weights
-moved between sampling and training. Staleness hurts in proportion to it, not to the version
-count alone (docs/results/2026-11-30-inflight.md).
+moved between sampling and training. On the tiny task it, not the version count, is what
+grows with the reward lost to stale data (docs/results/2026-11-30-staleness-drift.md).
 """
 
 from __future__ import annotations
