@@ -252,25 +252,28 @@ class TorchTrainBackend:
         cap = self.learn.is_cap
         eps = self.learn.clip_eps
         clipped = torch.zeros_like(m)
-        # How far the weights being trained have moved from the ones that sampled each token:
-        # KL(behaviour || policy) per token, k3 estimator (r - 1 - log r >= 0, r = pi / pi_behaviour).
-        log_r = (((lp.detach() if prox is None else prox) - batch.beh) * m).double()
-        # In float64 and through expm1: at 1e-5 apart, exp(x) - 1 - x in float32 is rounding noise.
-        drift = (torch.expm1(log_r) - log_r).clamp(min=0.0) * m
+        # log(pi / pi_behaviour) per token, pi the step's proximal policy where the correction
+        # recomputes it, else the weights this minibatch is trained with.
+        log_r = ((lp.detach() if prox is None else prox) - batch.beh) * m
+        # How far the weights have moved since the token was sampled: KL(behaviour || policy), k3
+        # estimator (r - 1 - log r >= 0), in float64 through expm1 because at 1e-5 apart the float32
+        # form is rounding noise.
+        d = log_r.double()
+        drift = (torch.expm1(d) - d).clamp(min=0.0) * m
         if correction == "tis":
-            log_w = (lp.detach() - batch.beh) * m
+            log_w = log_r
             w = torch.exp(log_w).clamp(max=cap)
             per_tok = -w * batch.adv * lp
             kept = m
         elif correction == "m2po":
-            log_w = (prox - batch.beh) * m
+            log_w = log_r
             kept = second_moment_mask(log_w, m, self.learn.m2_threshold)
             w = kept
             per_tok = -kept * torch.exp((lp - prox) * m) * batch.adv
         else:
             # The ratio's reference: the behaviour policy itself (none), or the proximal one.
             ref = batch.beh if correction == "none" else prox
-            log_w = (ref - batch.beh) * m
+            log_w = torch.zeros_like(m) if correction == "none" else log_r
             if correction == "masked":
                 raw = torch.exp(log_w)
                 kept = ((raw <= cap) & (raw >= 1.0 / cap)).float() * m
