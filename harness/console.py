@@ -277,7 +277,7 @@ def _fmt(key: str, v) -> str:
         return f"{100 * v:.0f}%"
     if key == "speedup_vs_sync":
         return f"{v:.2f}x"
-    if key == "learn/behaviour_kl":  # 1e-3 (numerics between two kernels) to 1e-1 (a moved policy)
+    if key == "learn/behaviour_kl":  # below 1e-9 in sync to 1e-1 (a policy moved by stale data)
         return f"{v:.2g}"
     if key.endswith("_to_target"):  # samples or tokens: counts, a mean over seeds included
         return f"{v:,.0f}"

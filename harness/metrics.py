@@ -239,18 +239,24 @@ def _learned(result: RunResult, end: float) -> dict:
     return m
 
 
+def step_response_len(info: dict) -> float | None:
+    """A trainer step's mean response length; None where the backend does not report lengths."""
+    lens = info.get("response_lens")
+    return float(np.mean(lens)) if lens else None
+
+
 def learning_stability(step_info: list[dict]) -> dict:
     """Two figures that say whether stale data destabilised learning. ``learn/behaviour_kl``: the
     mean over steps of KL(behaviour || trained policy) per response token, how far the weights
     moved between sampling a token and training on it. ``learn/length_swing``: over the second
     half of the steps, the spread (std / mean) of the step's mean response length; on the real
     task a delayed length signal makes the policy overshoot long, then short, and this grows
-    with staleness (docs/results/2026-11-30-inflight.md)."""
+    with staleness (docs/results/2026-11-30-staleness-drift.md)."""
     m: dict = {}
     kl = [float(i["behaviour_kl"]) for i in step_info if "behaviour_kl" in i]
     if kl:
         m["learn/behaviour_kl"] = math.fsum(kl) / len(kl)
-    lens = [float(np.mean(i["response_lens"])) for i in step_info if i.get("response_lens")]
+    lens = [x for x in map(step_response_len, step_info) if x is not None]
     late = lens[len(lens) // 2:]
     if len(late) >= 2 and np.mean(late) > 0:
         m["learn/length_swing"] = float(np.std(late) / np.mean(late))
@@ -360,7 +366,7 @@ def series(result: RunResult) -> dict[str, list]:
         out["learn_reward_mean"] = [i["reward_mean"] for i in info]
         out["learn_loss"] = [i.get("loss") for i in info]
         out["learn_behaviour_kl"] = [i.get("behaviour_kl") for i in info]
-        out["learn_response_len"] = [float(np.mean(i["response_lens"])) if i.get("response_lens") else None for i in info]
+        out["learn_response_len"] = [step_response_len(i) for i in info]
     if result.evaluations:
         out["eval"] = list(result.evaluations)
     if result.faults.records:

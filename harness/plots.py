@@ -14,6 +14,7 @@ from matplotlib.patches import Patch  # noqa: E402
 
 from core.model.result import RunResult  # noqa: E402
 from core.model.timeline import GENERATE, SYNC, TRAIN  # noqa: E402
+from harness.metrics import step_response_len  # noqa: E402
 
 COLORS = {GENERATE: "#2a9d8f", TRAIN: "#264653", SYNC: "#e76f51"}
 IDLE = "#eeeeee"
@@ -106,7 +107,7 @@ def reward_png(result: RunResult, path: Path) -> None:
     a.plot([i["trainings"] for i in info], [i["reward_mean"] for i in info], ".-", color=COLORS[TRAIN], lw=1)
     a.set_xlabel("trained samples")
     a.set_ylabel("mean reward of the step's batch")
-    lens = [(i["trainings"], float(np.mean(i["response_lens"]))) for i in info if i.get("response_lens")]
+    lens = [(i["trainings"], n) for i in info if (n := step_response_len(i)) is not None]
     if lens:
         # Stale data shows first as a swinging response length (learn/length_swing).
         a2 = a.twinx()

@@ -252,11 +252,9 @@ def _run_seeds(sc, label, where: Path, env: dict, console: Console, plots: bool,
 def _reward_title(sc, label, seeds: tuple[int, ...] | None = None) -> str:
     """Over several ``seeds``, they are named; a label (a variant, or one seed of several) is;
     else the run's one seed is."""
+    name = f"{sc.name} {label}" if label else sc.name if seeds else f"{sc.name}, seed {sc.seed}"
     if seeds:
-        name = f"{sc.name} {label}" if label else sc.name
         name += f", seeds {', '.join(map(str, seeds))}"
-    else:
-        name = f"{sc.name} {label}" if label else f"{sc.name}, seed {sc.seed}"
     return f"{name}: batch reward, trailing mean over {sc.learn.reward_window} steps"
 
 
