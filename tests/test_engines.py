@@ -139,6 +139,41 @@ def test_requests_join_a_running_batch(engine, loop, reference):
         np.testing.assert_allclose(s.logprobs, reference(s, 1.0), atol=ATOL[engine.kind])
 
 
+def test_torch_cache_wraps_around_under_a_batch_that_never_empties(model_dir, loop, reference):
+    """The torch engine's buffers grow to 2 x max positions columns at most: a batch joined
+    again and again for longer than that moves its live columns back (``_fit``), and every
+    token's log-prob still matches a forward pass over the whole text."""
+    from core.real.engine_torch import TorchEngine
+
+    eng = TorchEngine("torch-wrap", model_dir, max_num_seqs=8, seed=1)
+    loop.run_until_complete(eng.start())
+    eng.max_positions = 24  # buffers of 48 columns; responses up to 24 - 6 tokens
+    moved = []
+    fit = eng._fit
+    eng._fit = lambda width, kv=None: (moved.append(eng._mask.shape[1]), fit(width, kv))
+
+    async def run():
+        groups, tasks = [], []
+        for i in range(12):  # each joins while the one before is running
+            g = make_group(2, PROMPT[: 3 + i % 4], prompt_id=i)
+            groups.append(g)
+            tasks.append(asyncio.create_task(eng.generate(g, 64)))
+            await wait_for(lambda: any(s.n_response for s in g.samples) or all(s.finished for s in g.samples))
+        assert all(await asyncio.gather(*tasks))
+        return groups
+
+    try:
+        groups = loop.run_until_complete(run())
+        steps = len(eng.decode_steps)
+    finally:
+        loop.run_until_complete(eng.close(loop.time()))
+    assert steps > 48
+    assert moved.count(48) >= 2, "the live columns reached the end of the widest buffer and moved back"
+    for s in (s for g in groups for s in g.samples):
+        check_sample(s, 24 - len(s.prompt_tokens), eng.eos_token_id)
+        np.testing.assert_allclose(s.logprobs, reference(s, 1.0), atol=ATOL["torch"])
+
+
 def test_partial_rollout_resumes_on_new_weights(engine, loop, reference, weights, perturbed):
     g = make_group(8, PROMPT)
     max_len = 300

@@ -2,9 +2,16 @@
 
 One decode-loop task serves every in-flight request. Requests that arrive while the loop
 runs join at the next step: they are prefilled on their own (identical contexts, such as
-the fresh samples of a group, are prefilled once) and merged into the running batch by
-left-padding the shorter of the two caches. Forward passes run in a worker thread so the
+the fresh samples of a group, are prefilled once) and merged into the running batch,
+right-aligned with it and masked on the left. Forward passes run in a worker thread so the
 event loop stays responsive; all bookkeeping happens on the event loop between steps.
+
+The cache is one preallocated buffer per layer, [rows, kv heads, columns, head dim]: a
+decode step writes one column in place, a row that joins is written into its own slot, and
+the live columns move back to the middle when they reach the end. Growing the cache by concatenation instead copied all of it per layer per step,
+and so did transformers' masked attention, which repeats K and V to every query head; with
+rows of different lengths (every batch that requests join) that made a step 1.5 times as
+slow as the same step without padding (docs/results/2026-12-01-torch-engine-cache.md).
 
 In inflight mode ``freeze`` parks the loop between two steps with the batch and its cache
 kept, ``update_weights`` loads new weights under it, and ``thaw`` decodes on from that cache.
@@ -25,6 +32,7 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
+from transformers.cache_utils import Cache, DynamicLayer
 
 from core.model.sample import Group, Sample
 from core.real.engine_meter import EngineMeter
@@ -32,6 +40,52 @@ from core.real.tiny_model import load_model
 from core.model.timeline import Timeline
 
 log = logging.getLogger(__name__)
+
+# The attention the engine loads its model with: torch's SDPA with the padding mask and the
+# grouped key/value heads as they are (same results as transformers' "sdpa", which repeats K
+# and V to every query head whenever a mask is given, on CPU).
+GQA_SDPA = "asyncrl_gqa_sdpa"
+
+
+def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    causal = query.shape[2] > 1 and attention_mask is None and (module.is_causal if is_causal is None else is_causal)
+    out = F.scaled_dot_product_attention(
+        query, key, value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
+        is_causal=causal,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_gqa_sdpa() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GQA_SDPA, _gqa_sdpa)
+    AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)
+
+
+class _SlotLayer(DynamicLayer):
+    """One layer of the cache a decode step sees: the live columns [lo, hi) of the engine's
+    buffer for its rows; ``update`` writes the step's keys and values at column hi in place."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, lo: int, hi: int) -> None:
+        super().__init__()
+        self._k, self._v, self._lo, self._hi = keys, values, lo, hi
+        self.keys, self.values = keys[:, :, lo:hi], values[:, :, lo:hi]
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        n = key_states.shape[-2]
+        self._k[:, :, self._hi : self._hi + n] = key_states
+        self._v[:, :, self._hi : self._hi + n] = value_states
+        self._hi += n
+        self.keys, self.values = self._k[:, :, self._lo : self._hi], self._v[:, :, self._lo : self._hi]
+        return self.keys, self.values
 
 
 class _Request:
@@ -90,9 +144,10 @@ class TorchEngine(EngineMeter):
         self.max_positions: int = 0
         self._gen: Optional[torch.Generator] = None
         self._waiting: deque[_Request] = deque()
-        self._rows: list[_Request] = []  # one per batch row, aligned with the cache
-        self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer [B, H, L, D]
-        self._mask = torch.zeros(0, 0, dtype=torch.long)  # [B, L]; 0 on left padding
+        self._rows: list[_Request] = []  # one per batch row: row i is slot i of the buffers
+        self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer [max_num_seqs, H, columns, D]
+        self._mask = torch.zeros(0, 0, dtype=torch.bool)  # [max_num_seqs, columns]; False on padding
+        self._lo = self._hi = 0  # the live columns: every row's tokens end at hi - 1
         self._pos = torch.zeros(0, dtype=torch.long)  # next position id of each row
         self._last = torch.zeros(0, dtype=torch.long)  # last sampled token of each row
         self._task: Optional[asyncio.Task] = None
@@ -118,7 +173,8 @@ class TorchEngine(EngineMeter):
         log.info("%s: loaded %s on %s", self.name, self.model_dir, self.device)
 
     def _load(self):
-        return load_model(self.model_dir).to(self.device).eval()
+        _register_gqa_sdpa()
+        return load_model(self.model_dir, attn_implementation=GQA_SDPA).to(self.device).eval()
 
     async def generate(self, group: Group, max_response_len: int) -> bool:
         """Generate every unfinished response of ``group``; False if aborted first."""
@@ -295,11 +351,17 @@ class TorchEngine(EngineMeter):
 
     # -- the batch, touched only by the decode loop (in the worker thread or between steps) ---
     def _reset_cache(self) -> None:
-        self._kv = []
-        self._mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
+        """No rows; the buffers stay allocated for the next ones."""
+        self._lo = self._hi = self._home()
         self._pos = torch.zeros(0, dtype=torch.long, device=self.device)
         self._last = torch.zeros(0, dtype=torch.long, device=self.device)
 
+    def _home(self) -> int:
+        """Where the live columns end after a reset or a compaction: the buffer's middle, so
+        its right half is room for as many decode steps."""
+        return self._mask.shape[1] // 2
+
+    @torch.inference_mode()  # the buffers were made under it, in the prefill
     def _drop_done(self) -> None:
         keep = [i for i, r in enumerate(self._rows) if not r.done]
         if len(keep) == len(self._rows):
@@ -308,26 +370,45 @@ class TorchEngine(EngineMeter):
             self._rows = []
             self._reset_cache()
             return
+        n, lo, hi = len(keep), self._lo, self._hi
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-        mask = self._mask.index_select(0, idx)
-        # Columns that are padding for every remaining row are dead weight in every step.
-        live_cols = mask.any(dim=0).nonzero()
-        first = int(live_cols[0]) if len(live_cols) else mask.shape[1]
-        self._kv = [(k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:]) for k, v in self._kv]
-        self._mask = mask[:, first:]
+        if keep != list(range(n)):  # move the kept rows into the first slots
+            for k, v in self._kv:
+                k[:n, :, lo:hi] = k[:, :, lo:hi].index_select(0, idx)
+                v[:n, :, lo:hi] = v[:, :, lo:hi].index_select(0, idx)
+            self._mask[:n, lo:hi] = self._mask[:, lo:hi].index_select(0, idx)
         self._pos = self._pos.index_select(0, idx)
         self._last = self._last.index_select(0, idx)
         self._rows = [self._rows[i] for i in keep]
+        # Columns that are padding for every remaining row are dead weight in every step.
+        live = self._mask[:n, lo:hi].any(dim=0).nonzero()
+        self._lo = lo + int(live[0])
 
-    def _cache(self):
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.model.config)
-        for layer, (k, v) in zip(cache.layers, self._kv):
-            layer.dtype, layer.device = k.dtype, k.device
-            layer.keys, layer.values = k, v
-            layer.is_initialized = True
-        return cache
+    def _fit(self, width: int, kv: Optional[list[tuple[torch.Tensor, ...]]] = None) -> None:
+        """Move the live columns to end at home, with home at least ``width``: the buffers
+        double (up to 2 x max positions, which no row outgrows) when they are too short, so
+        they stay as wide as the longest rows need, not as the model allows."""
+        n, lo, hi = len(self._rows), self._lo, self._hi
+        home = self._home()
+        if width > home:
+            home = min(max(2 * home, 64, 1 << (width - 1).bit_length()), self.max_positions)
+            like = kv or self._kv
+            # Zeros: padding is masked, but a masked NaN would still poison the weighted sum.
+            grown = [
+                tuple(torch.zeros(self.max_num_seqs, t.shape[1], 2 * home, t.shape[3], dtype=t.dtype, device=self.device) for t in layer)
+                for layer in like
+            ]
+            mask = torch.zeros(self.max_num_seqs, 2 * home, dtype=torch.bool, device=self.device)
+        else:
+            grown, mask = self._kv, self._mask
+        new_lo = home - (hi - lo)
+        if n:
+            for (k, v), (k1, v1) in zip(self._kv, grown):
+                k1[:n, :, new_lo:home] = k[:n, :, lo:hi].clone()
+                v1[:n, :, new_lo:home] = v[:n, :, lo:hi].clone()
+            mask[:n, new_lo:home] = self._mask[:n, lo:hi].clone()
+        self._kv, self._mask = grown, mask
+        self._lo, self._hi = new_lo, home
 
     def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = logits.float()
@@ -370,20 +451,21 @@ class TorchEngine(EngineMeter):
         return tok, lp
 
     def _merge(self, rows: list[_Request], kv: list[tuple[torch.Tensor, ...]], length: int, last: torch.Tensor) -> None:
-        """Append prefilled rows (all of ``length`` tokens) to the batch, left-padding the shorter side."""
-        n = len(rows)
-        mask = torch.ones(n, length, dtype=torch.long, device=self.device)
-        if self._rows:
-            width = max(self._mask.shape[1], length)
-            a, b = width - self._mask.shape[1], width - length
-
-            def cat(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:  # [B, H, L, D] along L
-                return torch.cat([F.pad(old, (0, 0, a, 0)), F.pad(new, (0, 0, b, 0))])
-
-            self._kv = [(cat(k0, k1), cat(v0, v1)) for (k0, v0), (k1, v1) in zip(self._kv, kv)]
-            self._mask = torch.cat([F.pad(self._mask, (a, 0)), F.pad(mask, (b, 0))])
-        else:
-            self._kv, self._mask = kv, mask
+        """Write prefilled rows (all of ``length`` tokens) into the next slots, ending at column hi."""
+        if not self._rows:
+            self._reset_cache()
+        if self._hi < length:
+            self._fit(max(self._hi - self._lo, length), kv)
+        b, n, hi = len(self._rows), len(rows), self._hi
+        start = hi - length
+        if start < self._lo:  # the new rows are the longest: the others are padding there
+            self._mask[:b, start : self._lo] = False
+            self._lo = start
+        for (k, v), (k1, v1) in zip(self._kv, kv):
+            k[b : b + n, :, start:hi] = k1
+            v[b : b + n, :, start:hi] = v1
+        self._mask[b : b + n, self._lo : start] = False
+        self._mask[b : b + n, start:hi] = True
         pos = torch.full((n,), length, dtype=torch.long, device=self.device)
         self._pos = torch.cat([self._pos, pos])
         self._last = torch.cat([self._last, last])
@@ -392,19 +474,20 @@ class TorchEngine(EngineMeter):
     @torch.inference_mode()
     def _decode(self) -> tuple[torch.Tensor, torch.Tensor]:
         b = len(self._rows)
-        mask = torch.cat([self._mask, torch.ones(b, 1, dtype=torch.long, device=self.device)], dim=1)
-        cache = self._cache()
+        if self._hi == self._mask.shape[1]:
+            self._fit(self._hi - self._lo)
+        lo, hi = self._lo, self._hi
+        self._mask[:b, hi] = True
+        cache = Cache(layers=[_SlotLayer(k[:b], v[:b], lo, hi) for k, v in self._kv])
         out = self.model(
             input_ids=self._last[:, None],
-            attention_mask=mask,
+            attention_mask=self._mask[:b, lo : hi + 1],
             position_ids=self._pos[:, None],
             past_key_values=cache,
             use_cache=True,
         )
-        self._kv = [(layer.keys, layer.values) for layer in cache.layers]
-        self._mask = mask
+        self._hi = hi + 1
         self._pos = self._pos + 1
         tok, lp = self._sample(out.logits[:, -1])
         self._last = tok
         return tok, lp
-
