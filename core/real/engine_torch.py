@@ -8,10 +8,11 @@ event loop stays responsive; all bookkeeping happens on the event loop between s
 
 The cache is one preallocated buffer per layer, [rows, kv heads, columns, head dim]: a
 decode step writes one column in place, a row that joins is written into its own slot, and
-the live columns move back to the middle when they reach the end. Growing the cache by concatenation instead copied all of it per layer per step,
-and so did transformers' masked attention, which repeats K and V to every query head; with
-rows of different lengths (every batch that requests join) that made a step 1.5 times as
-slow as the same step without padding (docs/results/2026-12-01-torch-engine-cache.md).
+the live columns move back to the middle when they reach the end. Growing the cache by
+concatenation copied all of it per layer per step, and transformers' masked attention copies
+K and V once more to repeat them for every query head: a batch with rows of different
+lengths (any batch that requests join) cost 1.4 times the same step without padding, and
+twice what it costs now (docs/results/2026-12-01-torch-engine-cache.md).
 
 In inflight mode ``freeze`` parks the loop between two steps with the batch and its cache
 kept, ``update_weights`` loads new weights under it, and ``thaw`` decodes on from that cache.
@@ -277,6 +278,7 @@ class TorchEngine(EngineMeter):
         self._advance(now)
         self._idle(now)
         self.model = None
+        self._kv, self._mask = [], torch.zeros(0, 0, dtype=torch.bool)
 
     # -- bookkeeping on the event loop --------------------------------------------------------
     def _release(self, req: _Request, finished: bool) -> None:
