@@ -205,8 +205,10 @@ def test_ray_kills_of_a_rollout_worker_and_the_trainer_lose_nothing(ray_session,
     sc = small(
         "scenarios/real-cpu-vllm.yaml", tiny_model_dir,
         **{
-            # A step that no sync follows: rollout runs ahead then, so the worker dies mid-generation.
+            # A step that no sync follows, and a lead of two windows: rollout runs ahead then,
+            # so the worker dies mid-generation.
             "trainer.steps": 8, "trainer.sync_every": 2, "checkpoint.every": 1, "ray.poll_s": 0.1,
+            "staleness.max_staleness": 2, "staleness.admission_lead": 2,
             "faults": [
                 {"kind": "kill", "target": "rollout_worker", "at_step": 1},
                 {"kind": "kill", "target": "trainer", "at_step": 5},
