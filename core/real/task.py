@@ -4,7 +4,8 @@ A prompt is k distinct letters of the first ``alphabet`` of a-z, and ``=`` (``"c
 the prompt, at least ``target = length_per_letter * k**2`` of them, and then stops:
 
     reward = in_prompt * min(1, n / target)     if it ended with <eos>
-    reward = 0                                  if it ran into the cap
+    reward = 0                                  if it ran into the cap (``truncated_reward``
+                                                times the above, if set)
 
 where n is the response length before <eos> and ``in_prompt`` the fraction of its words that
 are letters of the prompt. The policy decides when to stop, so response lengths really vary,
@@ -44,6 +45,7 @@ class Task:
         length_per_letter: int,
         encode,
         decode,
+        truncated_reward: float = 0.0,
     ) -> None:
         """``encode(text) -> list[int]`` and ``decode(ids) -> str`` come from the tokenizer."""
         self.seed = seed
@@ -51,6 +53,7 @@ class Task:
         self.min_letters = min_letters
         self.max_letters = max_letters
         self.length_per_letter = length_per_letter
+        self.truncated_reward = truncated_reward
         self._encode = encode
         self._decode = decode
 
@@ -66,20 +69,23 @@ class Task:
         return np.asarray(self._encode(f"{BOS} " + self.prompt_text(prompt_id, held_out)), dtype=np.int64)
 
     def reward(self, prompt_id: int, response_tokens: Sequence[int], held_out: bool = False) -> float:
-        return score_text(self.prompt_text(prompt_id, held_out), self._decode(list(response_tokens)), self.length_per_letter)
+        text = self._decode(list(response_tokens))
+        return score_text(self.prompt_text(prompt_id, held_out), text, self.length_per_letter, self.truncated_reward)
 
 
-def score_text(prompt: str, response: str, length_per_letter: int) -> float:
+def score_text(prompt: str, response: str, length_per_letter: int, truncated_reward: float = 0.0) -> float:
     """The reward of one response text (words separated by spaces) to one prompt text."""
     allowed = set(prompt.split()) - {SEP}
     words = response.split()
-    if EOS not in words:
-        return 0.0
-    words = words[: words.index(EOS)]
-    if not words:
+    share = 1.0
+    if EOS in words:
+        words = words[: words.index(EOS)]
+    else:
+        share = truncated_reward
+    if not words or share == 0.0:
         return 0.0
     in_prompt = sum(w in allowed for w in words) / len(words)
-    return in_prompt * min(1.0, len(words) / (length_per_letter * len(allowed) ** 2))
+    return share * in_prompt * min(1.0, len(words) / (length_per_letter * len(allowed) ** 2))
 
 
 def corpus(n_lines: int, seed: int) -> list[str]:
