@@ -45,8 +45,9 @@ TARGETS = [
     Target("codec round trip, 32768 tokens", "round trip, 32768 tokens", "32768-ext", "32768-memcpy", "bandwidth", 0.5),
     Target("queue put + get (256 puts, get_batch)", "put256+get256", "ext", "asyncio.Queue", "speedup", 3.5),
     Target("queue put + get, asyncio tasks", "async put+get 4096 by 256", "ext", "asyncio.Queue", "speedup", 3.5),
-    Target("torch engine decode, rows of one length", "decode 16 steps, 64 x 128", "asyncrl", "transformers", "speedup", 1.2),
-    Target("torch engine decode, rows of two lengths", "decode 16 steps, 32 x 16 + 32 x 128", "asyncrl", "transformers", "speedup", 1.5),
+    Target("torch engine decode, rows of one length", "decode 16 steps, 64 x 128", "64 x 128-asyncrl", "64 x 128-transformers", "speedup", 1.2),
+    Target("torch engine decode, rows of two lengths", "decode 16 steps, 32 x 16 + 32 x 128",
+           "32 x 16 + 32 x 128-asyncrl", "32 x 16 + 32 x 128-transformers", "speedup", 1.5),
 ]
 
 
