@@ -20,6 +20,7 @@ import asyncio
 import numpy as np
 import pytest
 import torch
+from transformers import DynamicCache
 
 from core.model.config import TinyModelSpec
 from core.model.sample import Sample
@@ -47,7 +48,7 @@ def fill(loop, engine: TorchEngine, parts) -> None:
     """A fresh batch of ``parts`` (rows, prompt tokens), prefilled, outside the timing."""
     rng = np.random.default_rng(0)
     engine._rows = []
-    engine._reset_cache()
+    engine._empty_batch()
     for n, length in parts:
         reqs = []
         for i in range(n):
@@ -58,8 +59,6 @@ def fill(loop, engine: TorchEngine, parts) -> None:
 
 def dynamic_cache_state(engine: TorchEngine):
     """The engine's batch as the baseline holds it: contiguous K and V, a long mask."""
-    from transformers import DynamicCache
-
     b, lo, hi = len(engine._rows), engine._lo, engine._hi
     cache = DynamicCache()
     for layer, (k, v) in enumerate(engine._kv):

@@ -342,7 +342,7 @@ class TorchEngine(EngineMeter):
                     req.future.set_exception(exc)
             self._idle(loop.time())
             self._rows, self._waiting = [], deque()
-            self._reset_cache()
+            self._empty_batch()
 
     async def _step(self, fn, *args) -> tuple[torch.Tensor, torch.Tensor]:
         self._between.clear()
@@ -352,8 +352,8 @@ class TorchEngine(EngineMeter):
             self._between.set()
 
     # -- the batch, touched only by the decode loop (in the worker thread or between steps) ---
-    def _reset_cache(self) -> None:
-        """No rows; the buffers stay allocated for the next ones."""
+    def _empty_batch(self) -> None:
+        """No rows, the live columns back home; the buffers stay allocated for the next rows."""
         self._lo = self._hi = self._home()
         self._pos = torch.zeros(0, dtype=torch.long, device=self.device)
         self._last = torch.zeros(0, dtype=torch.long, device=self.device)
@@ -370,7 +370,7 @@ class TorchEngine(EngineMeter):
             return
         if not keep:
             self._rows = []
-            self._reset_cache()
+            self._empty_batch()
             return
         n, lo, hi = len(keep), self._lo, self._hi
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
@@ -455,7 +455,7 @@ class TorchEngine(EngineMeter):
     def _merge(self, rows: list[_Request], kv: list[tuple[torch.Tensor, ...]], length: int, last: torch.Tensor) -> None:
         """Write prefilled rows (all of ``length`` tokens) into the next slots, ending at column hi."""
         if not self._rows:
-            self._reset_cache()
+            self._empty_batch()
         if self._hi < length:
             self._fit(max(self._hi - self._lo, length), kv)
         b, n, hi = len(self._rows), len(rows), self._hi

@@ -43,9 +43,9 @@ class Task:
         min_letters: int,
         max_letters: int,
         length_per_letter: int,
+        truncated_reward: float,
         encode,
         decode,
-        truncated_reward: float = 0.0,
     ) -> None:
         """``encode(text) -> list[int]`` and ``decode(ids) -> str`` come from the tokenizer."""
         self.seed = seed
@@ -73,7 +73,7 @@ class Task:
         return score_text(self.prompt_text(prompt_id, held_out), text, self.length_per_letter, self.truncated_reward)
 
 
-def score_text(prompt: str, response: str, length_per_letter: int, truncated_reward: float = 0.0) -> float:
+def score_text(prompt: str, response: str, length_per_letter: int, truncated_reward: float) -> float:
     """The reward of one response text (words separated by spaces) to one prompt text."""
     allowed = set(prompt.split()) - {SEP}
     words = response.split()
