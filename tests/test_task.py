@@ -11,18 +11,27 @@ PROMPT = "a c ="  # k = 2: full length at 2 x 2**2 = 8 words with the default le
 
 
 def test_reward_is_the_share_of_prompt_letters_times_the_length_reached():
-    assert score_text(PROMPT, "a c a c a c a c <eos>", 2, 0.0) == 1.0
-    assert score_text(PROMPT, "a c a c <eos>", 2, 0.0) == 0.5  # half the length
-    assert score_text(PROMPT, "a c a b <eos>", 2, 0.0) == 0.75 * 0.5  # one word of four not in the prompt
-    assert score_text(PROMPT, "a c a c a c a c a c a c <eos>", 2, 0.0) == 1.0  # longer is not better
-    assert score_text(PROMPT, "<eos> a c", 2, 0.0) == 0.0  # nothing before <eos>
+    assert score_text(PROMPT, "a c a c a c a c <eos>", 2, 0.0, 0.0) == 1.0
+    assert score_text(PROMPT, "a c a c <eos>", 2, 0.0, 0.0) == 0.5  # half the length
+    assert score_text(PROMPT, "a c a b <eos>", 2, 0.0, 0.0) == 0.75 * 0.5  # one word of four not in the prompt
+    assert score_text(PROMPT, "a c a c a c a c a c a c <eos>", 2, 0.0, 0.0) == 1.0  # longer is not better
+    assert score_text(PROMPT, "<eos> a c", 2, 0.0, 0.0) == 0.0  # nothing before <eos>
 
 
 def test_a_response_that_runs_into_the_cap_scores_zero_unless_it_keeps_a_share():
     text = "a c a c a c a c a c"  # no <eos>: it ran into the cap
-    assert score_text(PROMPT, text, 2, 0.0) == 0.0
-    assert score_text(PROMPT, text, 2, truncated_reward=0.5) == 0.5
-    assert score_text(PROMPT, text + " <eos>", 2, truncated_reward=0.5) == 1.0  # a stopped one keeps all
+    assert score_text(PROMPT, text, 2, 0.0, 0.0) == 0.0
+    assert score_text(PROMPT, text, 2, 0.5, 0.0) == 0.5
+    assert score_text(PROMPT, text + " <eos>", 2, 0.5, 0.0) == 1.0  # a stopped one keeps all
+
+
+def test_with_overshoot_the_reward_peaks_at_the_target():
+    exact = "a c a c a c a c <eos>"  # 8 words, the target
+    double = "a c a c a c a c a c a c a c a c <eos>"
+    assert score_text(PROMPT, exact, 2, 0.0, 1.0) == 1.0
+    assert score_text(PROMPT, double, 2, 0.0, 1.0) == 0.5  # (8 / 16) ** 1
+    assert score_text(PROMPT, double, 2, 0.0, 2.0) == 0.25
+    assert score_text(PROMPT, "a c a c <eos>", 2, 0.0, 1.0) == 0.5  # below the target nothing changes
 
 
 @pytest.mark.parametrize("value", [-0.1, 1.5])

@@ -282,6 +282,9 @@ class TaskSpec(_Frozen):
     truncated_reward: float = Field(0.0, ge=0, le=1)
     """Share of its reward a response keeps when it runs into the cap without <eos>. 0: it scores 0, a cliff
     the stop decision learns from; above 0, a soft penalty in the manner of DAPO's overlong reward shaping."""
+    overshoot: float = Field(0.0, ge=0)
+    """Past the length target the length factor is (target / n) ** overshoot. 0: longer costs nothing until
+    the cap; above 0 the reward peaks at the target, so the stop decision has a pull from both sides."""
     target_reward: float = Field(0.3, gt=0, le=1)
     """The reward a run is timed to reach unless `learn.target_reward` says otherwise: an untrained tiny
     model scores about 0.08 here, and a run of 40 sync steps ends near 0.4 (docs/results)."""

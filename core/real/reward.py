@@ -36,6 +36,7 @@ def task_from(t: TaskSpec, seed: int, model_dir) -> Task:
         max_letters=t.max_letters,
         length_per_letter=t.length_per_letter,
         truncated_reward=t.truncated_reward,
+        overshoot=t.overshoot,
         encode=lambda text: tok.encode(text, add_special_tokens=False),
         decode=lambda ids: tok.decode(ids, skip_special_tokens=False),
     )

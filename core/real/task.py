@@ -3,16 +3,20 @@
 A prompt is k distinct letters of the first ``alphabet`` of a-z, and ``=`` (``"c a f ="``). A good response repeats letters of
 the prompt, at least ``target = length_per_letter * k**2`` of them, and then stops:
 
-    reward = in_prompt * min(1, n / target)     if it ended with <eos>
-    reward = 0                                  if it ran into the cap (``truncated_reward``
-                                                times the above, if set)
+    reward = in_prompt * min(1, n / target)                    if it ended with <eos>, n <= target
+    reward = in_prompt * (target / n) ** overshoot              if it ended with <eos>, n > target
+    reward = 0                                                 if it ran into the cap (``truncated_reward``
+                                                               times the above, if set)
 
 where n is the response length before <eos> and ``in_prompt`` the fraction of its words that
 are letters of the prompt. The policy decides when to stop, so response lengths really vary,
 and as in reasoning tasks the harder prompts need much longer answers: the target grows with
 the square of k (8 to 72 words with the defaults), while a random policy stops on <eos> about
 once per vocabulary size tokens (a geometric tail). The reward both lengthens short responses
-and cuts those that never stop.
+and cuts those that never stop. With ``overshoot`` above 0 the reward peaks at the target, so
+a response learns to stop near it rather than anywhere before the cap: the gradient then
+points back toward the target from both sides, which stale feedback overshoots less than
+a one-sided push held back only by the cliff at the cap (docs/results).
 
 The reward is computed on the decoded text, not on token ids, so it is the same whoever
 tokenizes (the trainer, vLLM, the reward service).
@@ -44,6 +48,7 @@ class Task:
         max_letters: int,
         length_per_letter: int,
         truncated_reward: float,
+        overshoot: float,
         encode,
         decode,
     ) -> None:
@@ -54,6 +59,7 @@ class Task:
         self.max_letters = max_letters
         self.length_per_letter = length_per_letter
         self.truncated_reward = truncated_reward
+        self.overshoot = overshoot
         self._encode = encode
         self._decode = decode
 
@@ -70,10 +76,12 @@ class Task:
 
     def reward(self, prompt_id: int, response_tokens: Sequence[int], held_out: bool = False) -> float:
         text = self._decode(list(response_tokens))
-        return score_text(self.prompt_text(prompt_id, held_out), text, self.length_per_letter, self.truncated_reward)
+        return score_text(
+            self.prompt_text(prompt_id, held_out), text, self.length_per_letter, self.truncated_reward, self.overshoot
+        )
 
 
-def score_text(prompt: str, response: str, length_per_letter: int, truncated_reward: float) -> float:
+def score_text(prompt: str, response: str, length_per_letter: int, truncated_reward: float, overshoot: float) -> float:
     """The reward of one response text (words separated by spaces) to one prompt text."""
     allowed = set(prompt.split()) - {SEP}
     words = response.split()
@@ -85,7 +93,10 @@ def score_text(prompt: str, response: str, length_per_letter: int, truncated_rew
     if not words or share == 0.0:
         return 0.0
     in_prompt = sum(w in allowed for w in words) / len(words)
-    return share * in_prompt * min(1.0, len(words) / (length_per_letter * len(allowed) ** 2))
+    target = length_per_letter * len(allowed) ** 2
+    n = len(words)
+    reached = n / target if n <= target else (target / n) ** overshoot
+    return share * in_prompt * reached
 
 
 def corpus(n_lines: int, seed: int) -> list[str]:
