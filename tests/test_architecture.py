@@ -18,7 +18,8 @@ ALLOWED = {
     "core.sim": {"core.api", "core.model"},
     "core.real": {"core.api", "core.model"},
     "core.pipeline": {"core.api", "core.model", "core.store", "ext"},
-    "core.runtimes": {"core.api", "core.model", "core.store", "core.pipeline", "core.sim", "core.real", "ext"},
+    "core.env": {"core.api", "core.model", "core.store", "core.pipeline", "ext"},
+    "core.runtimes": {"core.api", "core.model", "core.store", "core.pipeline", "core.sim", "core.real", "core.env", "ext"},
     "harness": {"core", "ext"},
 }
 # The one loop the design keeps (the pickle hook of a Sample goes through its wire form), and

@@ -1,0 +1,107 @@
+"""The replay of the env pipeline: transitions in ``ext.replay``, paced by a ``RateLimiter``.
+
+Samplers insert batches of transitions; learners sample minibatches, uniformly or by priority,
+and send back new priorities. Each call is async and runs on one event loop, so the same class
+is the in-process replay and, wrapped by ``ray.remote``, the replay actor (Ray runs an async
+actor's calls on one loop, which is what ``ReplayBuffer`` needs: it is not thread-safe).
+
+It also keeps what a ledger needs of it: rows inserted, rows sampled (with repeats), and rows
+overwritten before they were ever sampled. The last are rows the samplers paid for and nobody
+learned from, the replay's waste.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import numpy as np
+
+from core.env.rate_limiter import RateLimiter
+from ext.replay import ReplayBuffer
+
+
+class TransitionReplay:
+    """A ring of transitions with a sample-to-insert rate limit."""
+
+    def __init__(
+        self,
+        capacity: int,
+        spec: Mapping[str, tuple],
+        *,
+        limiter: RateLimiter,
+        prioritized: bool,
+        alpha: float,
+        seed: int,
+    ) -> None:
+        if limiter.min_size_to_sample < limiter.max_sample:
+            raise ValueError(
+                f"min_size_to_sample={limiter.min_size_to_sample} is fewer rows than one sample of max_sample="
+                f"{limiter.max_sample} needs; use min_size_to_sample >= {limiter.max_sample}"
+            )
+        if limiter.min_size_to_sample > capacity:
+            raise ValueError(
+                f"min_size_to_sample={limiter.min_size_to_sample} is more rows than the capacity {capacity} holds; "
+                f"sampling would wait forever"
+            )
+        self.buffer = ReplayBuffer(capacity, spec, prioritized=prioritized, alpha=alpha, seed=seed)
+        self.limiter = limiter
+        self._sampled = np.zeros(capacity, dtype=np.int64)  # draws of each slot's current row
+        self._filled = np.zeros(capacity, dtype=bool)
+        self.rows_inserted = 0
+        self.rows_sampled = 0
+        self.rows_evicted_unsampled = 0
+
+    def __len__(self) -> int:
+        return len(self.buffer)
+
+    async def insert(self, batch: Mapping[str, np.ndarray], timeout: Optional[float] = None) -> np.ndarray:
+        """Store the rows of ``batch`` once the limiter lets them in; returns their slots."""
+        rows = _rows(batch)
+        await self.limiter.wait_insert(rows, timeout)
+        slots = self.buffer.add(batch)  # a malformed batch raises here, before the limiter counts it
+        # A slot written twice in one batch (rows > capacity) loses its first row unsampled too.
+        for s in slots:
+            if self._filled[s] and self._sampled[s] == 0:
+                self.rows_evicted_unsampled += 1
+            self._filled[s] = True
+            self._sampled[s] = 0
+        self.rows_inserted += rows
+        self.limiter.inserted(rows)
+        return slots
+
+    async def sample(
+        self, n: int, beta: float, timeout: Optional[float] = None
+    ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+        """``n`` rows once the limiter lets them out: (batch, slots, importance weights)."""
+        await self.limiter.wait_sample(n, timeout)
+        batch, slots, weights = self.buffer.sample(n, beta)
+        np.add.at(self._sampled, slots, 1)
+        self.rows_sampled += n
+        self.limiter.sampled(n)
+        return batch, slots, weights
+
+    def update_priorities(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        self.buffer.update_priorities(slots, priorities)
+
+    def close(self) -> None:
+        """Release the waiting samplers and learners: the run is stopping."""
+        self.limiter.close()
+
+    def stats(self) -> dict:
+        return {
+            "size": len(self.buffer),
+            "rows_inserted": self.rows_inserted,
+            "rows_sampled": self.rows_sampled,
+            "rows_evicted_unsampled": self.rows_evicted_unsampled,
+            **self.limiter.stats(),
+        }
+
+
+def _rows(batch: Mapping[str, np.ndarray]) -> int:
+    if not batch:
+        raise ValueError("an insert needs at least one field")
+    lens = {k: len(v) for k, v in batch.items()}
+    n = next(iter(lens.values()))
+    if any(v != n for v in lens.values()):
+        raise ValueError(f"fields of one insert must have the same number of rows: {lens}")
+    return n
