@@ -1,0 +1,131 @@
+"""Double DQN on n-step rows with prioritized replay: the off-policy learner of the env pipeline,
+and the epsilon-greedy policy its samplers act with.
+
+Per row i of a minibatch (rows from ``EnvSampler``: reward already the n-step sum, discount
+g^k or 0):
+
+    a*_i  = argmax_a Q_online(next_obs_i, a)                 double DQN: the online net picks,
+    y_i   = reward_i + discount_i * Q_target(next_obs_i, a*_i)   the target net values
+    td_i  = y_i - Q_online(obs_i, action_i)
+    loss  = mean_i( w_i * huber(td_i) )                      w_i: the replay's importance weight
+
+and |td_i| goes back to the replay as the row's new priority (Schaul et al. 2016). The target
+net copies the online one every ``target_every`` updates.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+# A row with no TD error is still drawn now and then (PER's epsilon).
+MIN_PRIORITY = 1e-3
+
+
+class QNetwork(nn.Module):
+    """An MLP from an observation vector to one value per action."""
+
+    def __init__(self, obs_dim: int, n_actions: int, hidden: tuple[int, ...]) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        width = obs_dim
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            width = h
+        layers.append(nn.Linear(width, n_actions))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.net(obs)
+
+
+def weights_of(net: nn.Module) -> dict[str, np.ndarray]:
+    return {k: v.detach().cpu().numpy().copy() for k, v in net.state_dict().items()}
+
+
+def load_into(net: nn.Module, weights: dict[str, np.ndarray]) -> None:
+    net.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in weights.items()})
+
+
+class EpsilonGreedy:
+    """Acts greedily on a copy of the learner's Q-network, at random with probability epsilon;
+    epsilon falls linearly from ``eps_start`` to ``eps_end`` over ``eps_decay_steps`` env steps."""
+
+    def __init__(
+        self, obs_dim: int, n_actions: int, hidden: tuple[int, ...], *,
+        eps_start: float, eps_end: float, eps_decay_steps: int, seed: int,
+    ) -> None:
+        if not 0.0 <= eps_end <= eps_start <= 1.0:
+            raise ValueError(f"eps_start={eps_start}, eps_end={eps_end}: need 0 <= eps_end <= eps_start <= 1")
+        self.net = QNetwork(obs_dim, n_actions, hidden)
+        self.n_actions = n_actions
+        self.eps_start, self.eps_end, self.eps_decay_steps = eps_start, eps_end, max(1, eps_decay_steps)
+        self.rng = np.random.default_rng(seed)
+        self.version = 0
+
+    def epsilon(self, env_steps: int) -> float:
+        frac = min(1.0, env_steps / self.eps_decay_steps)
+        return self.eps_start + frac * (self.eps_end - self.eps_start)
+
+    def greedy(self, obs: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            return self.net(torch.as_tensor(obs, dtype=torch.float32)).argmax(-1).numpy().astype(np.int64)
+
+    def act(self, obs: np.ndarray, env_steps: int) -> tuple[np.ndarray, np.ndarray]:
+        eps = self.epsilon(env_steps)
+        best = self.greedy(obs)
+        explore = self.rng.random(len(obs)) < eps
+        actions = np.where(explore, self.rng.integers(0, self.n_actions, len(obs)), best)
+        # The behaviour policy's probability of the action it took.
+        p_best = 1.0 - eps + eps / self.n_actions
+        logp = np.where(actions == best, math.log(p_best), math.log(eps / self.n_actions) if eps > 0 else -np.inf)
+        return actions, logp.astype(np.float32)
+
+    def set_weights(self, weights: dict[str, np.ndarray], version: int) -> None:
+        load_into(self.net, weights)
+        self.version = version
+
+
+class DQNLearner:
+    def __init__(
+        self, obs_dim: int, n_actions: int, hidden: tuple[int, ...], *,
+        lr: float, target_every: int, grad_clip: float, seed: int,
+    ) -> None:
+        torch.manual_seed(seed)
+        self.online = QNetwork(obs_dim, n_actions, hidden)
+        self.target = QNetwork(obs_dim, n_actions, hidden)
+        self.target.load_state_dict(self.online.state_dict())
+        self.opt = torch.optim.Adam(self.online.parameters(), lr=lr)
+        self.target_every = target_every
+        self.grad_clip = grad_clip
+        self.updates = 0
+
+    def weights(self) -> dict[str, np.ndarray]:
+        return weights_of(self.online)
+
+    def update(self, batch: dict[str, np.ndarray], weights: np.ndarray) -> tuple[np.ndarray, dict]:
+        """One Adam step on a minibatch; returns the rows' new priorities and the step's figures."""
+        obs = torch.as_tensor(batch["obs"])
+        nxt = torch.as_tensor(batch["next_obs"])
+        act = torch.as_tensor(batch["action"])
+        rew = torch.as_tensor(batch["reward"])
+        disc = torch.as_tensor(batch["discount"])
+        w = torch.as_tensor(np.asarray(weights, dtype=np.float32))
+        q = self.online(obs).gather(1, act[:, None]).squeeze(1)
+        with torch.no_grad():
+            best = self.online(nxt).argmax(1, keepdim=True)
+            y = rew + disc * self.target(nxt).gather(1, best).squeeze(1)
+        td = y - q
+        loss = (w * nn.functional.smooth_l1_loss(q, y, reduction="none")).mean()
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        norm = float(nn.utils.clip_grad_norm_(self.online.parameters(), self.grad_clip))
+        self.opt.step()
+        self.updates += 1
+        if self.updates % self.target_every == 0:
+            self.target.load_state_dict(self.online.state_dict())
+        prio = np.abs(td.detach().numpy()).astype(np.float64) + MIN_PRIORITY
+        return prio, {"loss": float(loss.detach()), "q_mean": float(q.detach().mean()), "grad_norm": norm}
