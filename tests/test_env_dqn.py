@@ -11,11 +11,9 @@ import pytest
 import torch
 
 from core.env.dqn import MIN_PRIORITY, DQNLearner, EpsilonGreedy
-from core.env.evaluation import episode_returns
-from core.env.rate_limiter import RateLimiter
-from core.env.sampler import EnvSampler
 from core.env.sync_loop import run_sync
-from core.env.transition_replay import TransitionReplay
+from core.model.config import with_changes
+from core.model.env_config import EnvScenario
 
 HIDDEN = (64, 64)
 
@@ -74,37 +72,18 @@ def test_with_no_bootstrap_q_learns_the_reward_and_the_target_net_follows_on_sch
     assert prio.max() < 0.05 + MIN_PRIORITY  # Q(obs, action) = reward
 
 
-def cartpole_run(seed: int, env_steps: int, stop_at_return=None, evaluate=None):
-    """The CartPole DQN of rl-zoo's tuned settings (256x256, lr 2.3e-3, 32 samples per insert,
-    learning from 1,000 rows, epsilon 1 -> 0.04 over 8,000 steps), with 3-step rows and PER."""
-    torch.set_num_threads(1)
-    hidden, num_envs, send_every, n_step, spi, batch = (256, 256), 8, 32, 3, 32.0, 64
-    pol = EpsilonGreedy(4, 2, hidden, eps_start=1.0, eps_end=0.04, eps_decay_steps=8000, seed=seed)
-    ler = DQNLearner(4, 2, hidden, lr=2.3e-3, target_every=128, grad_clip=10.0, seed=seed)
-    pol.set_weights(ler.weights(), 0)
-    smp = EnvSampler(sampler_id=0, env_id="CartPole-v1", num_envs=num_envs, seed=seed, policy=pol,
-                     n_step=n_step, gamma=0.99, send_every=send_every)
-    most = num_envs * (send_every + n_step - 1)
-    lim = RateLimiter(spi, 1000, (most * spi + batch) / 2, most, batch)
-    spec = {"obs": ((4,), np.float32), "action": ((), np.int64), "reward": ((), np.float32),
-            "next_obs": ((4,), np.float32), "discount": ((), np.float32), "logp": ((), np.float32),
-            "version": ((), np.int64)}
-    rp = TransitionReplay(100_000, spec, limiter=lim, prioritized=True, alpha=0.6, seed=seed)
-    evaluate = evaluate or (lambda p: episode_returns(p.greedy, "CartPole-v1", 100, seed + 1000).mean())
-    curve = asyncio.run(run_sync(
-        sampler=smp, policy=pol, replay=rp, learner=ler, env_steps=env_steps, batch_size=batch,
-        beta_start=0.4, publish_every=128, eval_every=5000, evaluate=evaluate, stop_at_return=stop_at_return,
-    ))
-    return curve, ler, rp
+def cartpole(env_steps: int, **changes) -> EnvScenario:
+    """The default scenario (rl-zoo's tuned CartPole DQN, 3-step rows, PER) with a budget."""
+    return with_changes(EnvScenario(), {"env.env_steps": env_steps, **changes})
 
 
 def test_sync_dqn_learns_cartpole_to_475():
     """Seed 0 of the tuned settings: a mean return of at least 475 over 100 greedy episodes
     within 30,000 env steps (it got there at about 15,000 when this test was written)."""
-    curve, _, rp = cartpole_run(seed=0, env_steps=30_000, stop_at_return=475.0)
+    curve = asyncio.run(run_sync(cartpole(30_000), seed=0))
     assert curve.eval_return[-1] >= 475.0, curve.eval_return
     assert curve.eval_return[0] < curve.eval_return[-1]
-    st = rp.stats()
+    st = curve.replay
     # The limiter held the tuned ratio: 32 samples per inserted row, within its band.
     assert st["samples_per_insert"] == pytest.approx(32.0, rel=0.1)
     # Rows are never newer than the weights, and a replay trains on rows of older versions too.
@@ -112,8 +91,24 @@ def test_sync_dqn_learns_cartpole_to_475():
 
 
 def test_sync_dqn_is_deterministic_for_a_seed():
-    a = cartpole_run(seed=3, env_steps=3000, evaluate=lambda p: 0.0)
-    b = cartpole_run(seed=3, env_steps=3000, evaluate=lambda p: 0.0)
-    assert a[0].updates == b[0].updates > 0
-    wa, wb = a[1].weights(), b[1].weights()
-    assert all(np.array_equal(wa[k], wb[k]) for k in wa)
+    """Two runs of one seed end with the same policy: every greedy action on a fixed set of
+    observations is the same, and so are the counters."""
+    probe = np.random.default_rng(5).normal(size=(256, 4)).astype(np.float32)
+    seen = []
+    grab = lambda p: seen.append(p.greedy(probe)) or 0.0
+    a = asyncio.run(run_sync(cartpole(3000), seed=3, evaluate=grab))
+    b = asyncio.run(run_sync(cartpole(3000), seed=3, evaluate=grab))
+    assert a.updates == b.updates > 0 and a.replay == b.replay
+    assert np.array_equal(seen[0], seen[1])
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"dqn.eps_start": 0.1, "dqn.eps_end": 0.5}, r"dqn.eps_end = 0.5: is above dqn.eps_start"),
+    ({"replay.min_size_to_sample": 100}, r"replay.min_size_to_sample = 100: .* use at least .* = 512"),
+    ({"replay.capacity": 500}, r"replay.min_size_to_sample = 1000: is more rows than replay.capacity = 500"),
+    ({"replay.error_buffer": 10.0}, r"replay.error_buffer = 10.0: the band cannot hold one chunk of 272 rows"),
+    ({"modes": ["sync", "sync"]}, r"modes = \['sync', 'sync'\]"),
+])
+def test_a_bad_env_scenario_is_one_error_naming_the_key(changes, match):
+    with pytest.raises(ValueError, match=match):
+        with_changes(EnvScenario(), changes)

@@ -47,7 +47,8 @@ def weights_of(net: nn.Module) -> dict[str, np.ndarray]:
 
 
 def load_into(net: nn.Module, weights: dict[str, np.ndarray]) -> None:
-    net.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in weights.items()})
+    # A copy: weights fetched from the object store are read-only views.
+    net.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in weights.items()})
 
 
 class EpsilonGreedy:

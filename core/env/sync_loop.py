@@ -2,11 +2,11 @@
 
 Each turn the sampler collects one chunk and the replay takes its rows. The learner then
 updates as long as the replay's rate limiter lets it sample, so samples per insert hold
-exactly as they would between actors, and nothing waits. Every ``publish_every`` updates the
-learner's weights go to the policy as a new version.
+exactly as they would between actors, and nothing waits. Every ``dqn.publish_every`` updates
+the learner's weights go to the policy as a new version.
 
-This is the baseline an async run is measured against, and with fixed seeds it is
-deterministic: the same seeds give the same curve, on either backend of ``ext.replay``.
+This is the baseline an async run is measured against. With fixed seeds it is deterministic:
+the same seeds give the same curve, on either backend of ``ext.replay``.
 """
 
 from __future__ import annotations
@@ -18,72 +18,93 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from core.env.dqn import DQNLearner, EpsilonGreedy
-from core.env.sampler import EnvSampler
-from core.env.transition_replay import TransitionReplay
+from core.env.dqn import EpsilonGreedy
+from core.env.evaluation import episode_returns
+from core.env.wiring import EVAL_SEED, beta_at, make_learner, make_policy, make_replay, make_sampler
+from core.model.env_config import EnvScenario
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class EnvCurve:
-    """What a run learned, against env steps and wall-clock seconds."""
+    """What a run learned, against env steps and wall-clock seconds, and what it cost."""
 
     env_steps: list[int] = field(default_factory=list)
     wall_s: list[float] = field(default_factory=list)
+    """When each evaluated policy existed: seconds of training before it (sync mode stops its clock
+    while it evaluates; async mode evaluates beside training, timed when it took the newest weights)."""
     eval_return: list[float] = field(default_factory=list)
     updates: int = 0
     versions: int = 0
+    """Weight versions published to the samplers."""
     policy_lag: list[float] = field(default_factory=list)
     """Per update: the learner's version minus the mean version of its minibatch's rows (a replay
     keeps rows of many versions, so this is the age of what the learner trains on)."""
+    episodes: int = 0
+    replay: dict = field(default_factory=dict)
+    """The replay's counters at the end (rows in, sampled, evicted unsampled, blocked time per side)."""
+
+    def first_reaching(self, target: float) -> Optional[int]:
+        """Index of the first evaluation at or above ``target``."""
+        return next((i for i, r in enumerate(self.eval_return) if r >= target), None)
+
+
+def greedy_return(sc: EnvScenario, seed: int) -> Callable[[EpsilonGreedy], float]:
+    """Mean return of ``env.eval_episodes`` episodes, acting greedily."""
+    return lambda policy: float(episode_returns(policy.greedy, sc.env.id, sc.env.eval_episodes, seed * 7919 + EVAL_SEED).mean())
 
 
 async def run_sync(
-    *,
-    sampler: EnvSampler,
-    policy: EpsilonGreedy,
-    replay: TransitionReplay,
-    learner: DQNLearner,
-    env_steps: int,
-    batch_size: int,
-    beta_start: float,
-    publish_every: int,
-    eval_every: int,
-    evaluate: Callable[[EpsilonGreedy], float],
-    stop_at_return: Optional[float] = None,
+    sc: EnvScenario, seed: int, *, evaluate: Optional[Callable[[EpsilonGreedy], float]] = None,
+    stop_at_target: bool = True,
 ) -> EnvCurve:
-    """Train until ``env_steps`` (or an evaluation reaches ``stop_at_return``). ``evaluate(policy)``
-    is called every ``eval_every`` env steps and at the end, with the policy's current weights."""
+    """Train for ``env.env_steps`` (or until an evaluation reaches ``env.target_return``, with
+    ``stop_at_target``). Evaluations run every ``env.eval_every`` env steps and at the end."""
+    evaluate = evaluate or greedy_return(sc, seed)
+    policy = make_policy(sc, seed, 0)
+    sampler = make_sampler(sc, seed, 0, policy)
+    replay = make_replay(sc, seed)
+    learner = make_learner(sc, seed)
+    policy.set_weights(learner.weights(), 0)
+    batch = sc.dqn.batch_size
     curve = EnvCurve()
     t0 = time.perf_counter()
-    next_eval = eval_every
+    next_eval = sc.env.eval_every
+    eval_s = 0.0  # evaluations are measurement, not training: the clock stops while they run
 
-    def record() -> float:
-        score = float(evaluate(policy))
+    def record() -> bool:
+        nonlocal eval_s
+        start = time.perf_counter()
+        score = evaluate(policy)
         curve.env_steps.append(sampler.env_steps)
-        curve.wall_s.append(time.perf_counter() - t0)
+        curve.wall_s.append(start - t0 - eval_s)
+        eval_s += time.perf_counter() - start
         curve.eval_return.append(score)
         log.info("env steps %d: evaluation return %.1f (%d updates)", sampler.env_steps, score, curve.updates)
-        return score
+        return stop_at_target and score >= sc.env.target_return
 
-    while sampler.env_steps < env_steps:
-        chunk = sampler.collect()
-        if len(chunk):
-            await replay.insert({**chunk.columns, "version": chunk.version})
-        while replay.limiter.can_sample(batch_size):
-            beta = beta_start + (1.0 - beta_start) * min(1.0, sampler.env_steps / env_steps)
-            batch, slots, weights = await replay.sample(batch_size, beta)
-            prio, _ = learner.update(batch, weights)
-            replay.update_priorities(slots, prio)
-            curve.policy_lag.append(curve.versions - float(np.mean(batch["version"])))
-            curve.updates += 1
-            if curve.updates % publish_every == 0:
-                curve.versions += 1
-                policy.set_weights(learner.weights(), curve.versions)
-        if sampler.env_steps >= next_eval:
-            next_eval += eval_every
-            if record() >= (stop_at_return if stop_at_return is not None else np.inf):
-                return curve
-    record()
-    return curve
+    try:
+        while sampler.env_steps < sc.env.env_steps:
+            chunk = sampler.collect()
+            curve.episodes += len(chunk.episode_returns)
+            if len(chunk):
+                await replay.insert({**chunk.columns, "version": chunk.version})
+            while replay.limiter.can_sample(batch):
+                rows, slots, weights = await replay.sample(batch, beta_at(sc, sampler.env_steps))
+                prio, _ = learner.update(rows, weights)
+                replay.update_priorities(slots, prio)
+                curve.policy_lag.append(curve.versions - float(np.mean(rows["version"])))
+                curve.updates += 1
+                if curve.updates % sc.dqn.publish_every == 0:
+                    curve.versions += 1
+                    policy.set_weights(learner.weights(), curve.versions)
+            if sampler.env_steps >= next_eval:
+                next_eval += sc.env.eval_every
+                if record():
+                    return curve
+        record()
+        return curve
+    finally:
+        curve.replay = replay.stats()
+        sampler.close()

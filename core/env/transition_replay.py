@@ -7,7 +7,9 @@ actor's calls on one loop, which is what ``ReplayBuffer`` needs: it is not threa
 
 It also keeps what a ledger needs of it: rows inserted, rows sampled (with repeats), and rows
 overwritten before they were ever sampled. The last are rows the samplers paid for and nobody
-learned from, the replay's waste.
+learned from, the replay's waste. Chunks from samplers (``insert_chunk``) are counted per
+sampler in order, so a chunk lost or sent twice on the way is an error, not a silent gap, and
+rows refused because the run was stopping are counted apart.
 """
 
 from __future__ import annotations
@@ -16,8 +18,13 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from core.env.rate_limiter import RateLimiter
+from core.env.rate_limiter import LimiterClosed, RateLimiter
+from core.model.transition_wire import TransitionChunk
 from ext.replay import ReplayBuffer
+
+
+class ChunkAccountingError(RuntimeError):
+    """A sampler's chunk arrived out of order: one before it was lost, or it came twice."""
 
 
 class TransitionReplay:
@@ -50,6 +57,11 @@ class TransitionReplay:
         self.rows_inserted = 0
         self.rows_sampled = 0
         self.rows_evicted_unsampled = 0
+        self.rows_refused = 0  # rows of chunks that arrived after close: produced, never stored
+        self.env_steps = 0
+        self.chunks = 0
+        self.episode_returns: list[float] = []
+        self._next_seq: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self.buffer)
@@ -68,6 +80,29 @@ class TransitionReplay:
         self.rows_inserted += rows
         self.limiter.inserted(rows)
         return slots
+
+    async def insert_chunk(self, chunk: TransitionChunk, timeout: Optional[float] = None) -> int:
+        """Store a sampler's chunk: its rows, with the version of each as a column. Returns the rows
+        stored. Once the replay is closed, raises ``LimiterClosed`` and counts the rows as refused;
+        after a timeout nothing is counted, and the sampler may send the same chunk again."""
+        want = self._next_seq.get(chunk.sampler, 0)
+        if chunk.seq != want:
+            raise ChunkAccountingError(f"sampler {chunk.sampler}: chunk {chunk.seq} arrived where chunk {want} was due")
+        try:
+            if len(chunk):
+                await self.insert({**chunk.columns, "version": chunk.version}, timeout)
+        except LimiterClosed:
+            self.rows_refused += len(chunk)
+            self._arrived(chunk)
+            raise
+        self._arrived(chunk)
+        return len(chunk)
+
+    def _arrived(self, chunk: TransitionChunk) -> None:
+        self._next_seq[chunk.sampler] = chunk.seq + 1
+        self.chunks += 1
+        self.env_steps += chunk.env_steps
+        self.episode_returns.extend(float(x) for x in chunk.episode_returns)
 
     async def sample(
         self, n: int, beta: float, timeout: Optional[float] = None
@@ -93,6 +128,10 @@ class TransitionReplay:
             "rows_inserted": self.rows_inserted,
             "rows_sampled": self.rows_sampled,
             "rows_evicted_unsampled": self.rows_evicted_unsampled,
+            "rows_refused": self.rows_refused,
+            "chunks": self.chunks,
+            "env_steps": self.env_steps,
+            "episodes": len(self.episode_returns),
             **self.limiter.stats(),
         }
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -741,6 +741,9 @@ class Scenario(_Frozen):
         return self.seeds or (self.seed,)
 
 
+_S = TypeVar("_S", bound=BaseModel)
+
+
 def set_dotted(data: dict, key: str, value: object) -> None:
     """Set ``data["a"]["b"] = value`` for key ``"a.b"``, creating missing sections.
 
@@ -756,12 +759,12 @@ def set_dotted(data: dict, key: str, value: object) -> None:
     node[leaf] = value
 
 
-def with_changes(sc: Scenario, changes: dict[str, object]) -> Scenario:
-    """A validated copy of ``sc`` with dotted-key changes, e.g. ``{"trainer.steps": 10}``."""
+def with_changes(sc: _S, changes: dict[str, object]) -> _S:
+    """A validated copy of ``sc`` (any scenario model) with dotted-key changes, e.g. ``{"trainer.steps": 10}``."""
     data = sc.model_dump()
     for key, value in changes.items():
         set_dotted(data, key, value)
-    return Scenario.model_validate(data)
+    return type(sc).model_validate(data)
 
 
 # -- placement: which GPUs each role gets in a mode ----------------------------------------------

@@ -1,0 +1,168 @@
+"""The env workload's scenario (seeds 001 and 003): environments, the sampler actors, the replay's
+rate limit and the learner. Frozen and validated once; each default written here only.
+
+The defaults are rl-zoo's tuned DQN for CartPole-v1 (rl-baselines3-zoo, hyperparams/dqn.yml):
+a 256x256 MLP, lr 2.3e-3, batches of 64, learning from 1,000 transitions, epsilon 1 -> 0.04
+over the first 16 % of 50,000 steps, and 128 gradient steps per 256 env steps, which is 32
+samples per inserted transition. Two changes, both from Ape-X (Horgan et al. 2018): 3-step
+rows and prioritized replay.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from core.model.config import ConfigError, RoleSpec, _Frozen
+
+EnvMode = Literal["sync", "async"]
+
+
+class EnvSpec(_Frozen):
+    """The environments and the samplers that step them."""
+
+    id: str = "CartPole-v1"
+    """A gymnasium environment id with a vector observation and discrete actions."""
+    samplers: int = Field(1, ge=1)
+    """Sampler actors in async mode (sync mode steps one sampler's environments in the learner's thread)."""
+    envs_per_sampler: int = Field(8, ge=1)
+    """Environments each sampler steps together, one policy forward pass for all of them."""
+    send_every: int = Field(32, ge=1)
+    """Vector steps between two chunks a sampler sends; a sampler also takes new weights only then."""
+    n_step: int = Field(3, ge=1)
+    """Steps summed into one row's reward before bootstrapping (Ape-X uses 3)."""
+    gamma: float = Field(0.99, ge=0, le=1)
+    """Discount."""
+    env_steps: int = Field(50_000, ge=1)
+    """Environment steps of a run, over all samplers (rl-zoo's budget for CartPole DQN)."""
+    target_return: float = 475.0
+    """The mean evaluation return a run is timed to reach (CartPole-v1's solved threshold)."""
+    eval_episodes: int = Field(100, ge=1)
+    """Episodes per evaluation, one per environment, without exploration."""
+    eval_every: int = Field(5_000, ge=1)
+    """Environment steps between two evaluations."""
+
+
+class DQNSpec(_Frozen):
+    """The off-policy learner: double DQN on n-step rows (core/env/dqn.py)."""
+
+    hidden: tuple[int, ...] = (256, 256)
+    """Widths of the Q-network's hidden layers."""
+    lr: float = Field(2.3e-3, gt=0)
+    """Adam learning rate."""
+    batch_size: int = Field(64, ge=1)
+    """Rows per update."""
+    target_every: int = Field(128, ge=1)
+    """Updates between two copies of the online net into the target net."""
+    grad_clip: float = Field(10.0, gt=0)
+    """Global gradient-norm clip."""
+    eps_start: float = Field(1.0, ge=0, le=1)
+    """Exploration probability at the first step."""
+    eps_end: float = Field(0.04, ge=0, le=1)
+    """Exploration probability after ``eps_decay_steps`` env steps (per sampler)."""
+    eps_decay_steps: int = Field(8_000, ge=1)
+    """Env steps over which epsilon falls linearly."""
+    publish_every: int = Field(128, ge=1)
+    """Updates between two weight versions sent to the samplers."""
+    batches_per_call: int = Field(8, ge=1)
+    """Async mode: minibatches the learner takes from the replay actor in one call, and whose
+    priorities it sends back together; one round trip per this many updates, as Ape-X's learner
+    prefetches. Sync mode takes one at a time."""
+
+
+class ReplayLimitSpec(_Frozen):
+    """The transition replay and its sample-to-insert rate limit (core/env/rate_limiter.py)."""
+
+    capacity: int = Field(100_000, ge=1)
+    """Rows the replay holds; the oldest are overwritten."""
+    prioritized: bool = True
+    """Draw rows in proportion to priority ** alpha (PER), else uniformly."""
+    alpha: float = Field(0.6, ge=0)
+    """PER's priority exponent."""
+    beta_start: float = Field(0.4, ge=0, le=1)
+    """PER's importance-weight exponent at the start; it rises linearly to 1 over the run."""
+    samples_per_insert: float = Field(32.0, gt=0)
+    """Rows sampled per row inserted, on average over the run."""
+    min_size_to_sample: int = Field(1_000, ge=1)
+    """Rows inserted before the first sample."""
+    error_buffer: float | None = Field(None, ge=0)
+    """How far, in samples, the run may drift from the ratio before the side ahead waits. None: the
+    smallest band that holds one chunk's insert and one sample, the tightest that cannot deadlock."""
+
+
+class EnvScenario(_Frozen):
+    """One env workload, run in one or more modes."""
+
+    kind: Literal["env"] = "env"
+    """Marks the scenario as an env workload (an LLM scenario has no `kind`)."""
+    name: str = "env"
+    """A label for reports and the default run directory."""
+    seed: int = Field(0, ge=0)
+    """Seeds environments, networks and the replay."""
+    seeds: tuple[int, ...] = ()
+    """Run every mode once per seed and report mean and spread; empty: `seed` alone."""
+    modes: tuple[EnvMode, ...] = ("sync", "async")
+    """`sync`: sampler and learner take turns in one thread; `async`: sampler actors, the replay actor
+    and the learner actor run at once on Ray."""
+    env: EnvSpec = EnvSpec()
+    """Environments and samplers."""
+    dqn: DQNSpec = DQNSpec()
+    """The learner."""
+    replay: ReplayLimitSpec = ReplayLimitSpec()
+    """The replay and its rate limit."""
+    sampler_role: RoleSpec = RoleSpec(num_cpus=1.0, max_concurrency=4)
+    """Each sampler actor (async mode)."""
+    learner_role: RoleSpec = RoleSpec(num_cpus=1.0, max_concurrency=4)
+    """The learner actor (async mode)."""
+    replay_role: RoleSpec = RoleSpec(num_cpus=0.0, max_concurrency=64)
+    """The replay actor (async mode): bookkeeping and sampling, no network."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "EnvScenario":
+        if not self.modes or len(set(self.modes)) != len(self.modes):
+            raise ConfigError("modes", list(self.modes), "list each mode once, at least one", "e.g. [sync, async]")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ConfigError("seeds", list(self.seeds), "a seed is listed twice", "list each seed once, e.g. [0, 1, 2]")
+        d, r = self.dqn, self.replay
+        if d.eps_end > d.eps_start:
+            raise ConfigError("dqn.eps_end", d.eps_end, f"is above dqn.eps_start = {d.eps_start}", "make eps_end <= eps_start")
+        if r.min_size_to_sample < self.max_sample_rows():
+            raise ConfigError(
+                "replay.min_size_to_sample", r.min_size_to_sample,
+                f"is fewer rows than one learner call takes ({d.batches_per_call} x {d.batch_size})",
+                f"use at least dqn.batches_per_call x dqn.batch_size = {self.max_sample_rows()}",
+            )
+        if r.min_size_to_sample > r.capacity:
+            raise ConfigError(
+                "replay.min_size_to_sample", r.min_size_to_sample, f"is more rows than replay.capacity = {r.capacity} holds",
+                "lower it or raise the capacity",
+            )
+        need = self.band_needed()
+        if r.error_buffer is not None and 2 * r.error_buffer < need:
+            raise ConfigError(
+                "replay.error_buffer", r.error_buffer,
+                f"the band cannot hold one chunk of {self.max_chunk_rows()} rows and one learner call of "
+                f"{self.max_sample_rows()}, so both sides could wait forever",
+                f"use at least {need / 2:g}, or leave it out",
+            )
+        return self
+
+    def max_chunk_rows(self) -> int:
+        """The most rows one chunk carries: every env's steps, plus rows a finished episode releases."""
+        e = self.env
+        return e.envs_per_sampler * (e.send_every + e.n_step - 1)
+
+    def max_sample_rows(self) -> int:
+        """The most rows one learner call samples."""
+        return self.dqn.batch_size * self.dqn.batches_per_call
+
+    def band_needed(self) -> float:
+        """The narrowest band (both sides together) that holds one chunk's insert and one learner call's sample."""
+        return self.max_chunk_rows() * self.replay.samples_per_insert + self.max_sample_rows()
+
+    def error_buffer(self) -> float:
+        return self.replay.error_buffer if self.replay.error_buffer is not None else self.band_needed() / 2
+
+    def run_seeds(self) -> tuple[int, ...]:
+        return self.seeds or (self.seed,)

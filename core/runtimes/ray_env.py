@@ -1,0 +1,237 @@
+"""The env pipeline in async mode on Ray (seeds 001 and 003): sampler actors, the replay actor
+and the learner actor, all at once.
+
+    SamplerActor x env.samplers ── TransitionChunk (one codec record) ──► ReplayActor
+         ▲   (envs + policy forward on CPU)                               (TransitionReplay,
+         │                                                                 RateLimiter)
+         │  ObjectRef of the weights: one ray.put per version,                │ dqn.batches_per_call
+         └─ offered to every sampler, fetched at its next chunk ◄── LearnerActor ◄┘ batches, priorities back
+
+    driver: polls the replay's env steps, launches evaluations as remote tasks on the newest
+            weights and collects them with ray.wait(..., timeout=...); stops the run at the
+            target return or the env-step budget.
+
+Each part is built by ``core/env/wiring.py``, as in sync mode. The rate limiter holds samples
+per insert whichever side is faster, and the replay reports how long each side waited.
+Evaluations run beside training on the same cores (num_cpus 0); their cost is part of what async
+mode pays here, where sync mode stops its clock while it evaluates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Optional
+
+import numpy as np
+import ray
+import torch
+
+from core.env.evaluation import episode_returns
+from core.env.rate_limiter import LimiterClosed
+from core.env.sync_loop import EnvCurve
+from core.env.transition_replay import TransitionReplay
+from core.env.wiring import EVAL_SEED, beta_at, make_learner, make_policy, make_sampler, replay_args
+from core.model.env_config import EnvScenario
+
+log = logging.getLogger(__name__)
+
+
+class SamplerHost:
+    """One sampler actor: its environments and policy. Sends chunks to the replay; takes the
+    newest offered weights between two chunks, skipping versions it never needed."""
+
+    def __init__(self, sc: EnvScenario, seed: int, sampler_id: int) -> None:
+        torch.set_num_threads(max(1, int(sc.sampler_role.num_cpus)))
+        self.policy = make_policy(sc, seed, sampler_id)
+        self.sampler = make_sampler(sc, seed, sampler_id, self.policy)
+        self._offer: Optional[tuple[int, list]] = None
+        self._stop = False
+        self.weights_fetched = 0
+        self.rows = 0
+
+    def offer(self, version: int, refs: list) -> None:
+        """``refs``: [ObjectRef of the weights], in a list so that Ray hands over the reference and
+        the sampler fetches the weights only if it still needs them when its chunk is done."""
+        if self._offer is None or version > self._offer[0]:
+            self._offer = (version, refs)
+
+    def stop(self) -> None:
+        self._stop = True
+
+    async def run(self, replay, env_steps: int) -> dict:
+        """Collect until ``env_steps`` of this sampler's own, a stop, or the replay's close."""
+        closed = False
+        while self.sampler.env_steps < env_steps and not self._stop:
+            await self._take_weights()
+            chunk = self.sampler.collect()
+            self.rows += len(chunk)
+            try:
+                await replay.insert_chunk.remote(chunk)
+            except LimiterClosed:
+                closed = True
+                break
+        self.sampler.close()
+        return {"env_steps": self.sampler.env_steps, "chunks": self.sampler.chunks, "rows": self.rows,
+                "weights_fetched": self.weights_fetched, "closed": closed}
+
+    async def _take_weights(self) -> None:
+        if self._offer is None or self._offer[0] <= self.policy.version:
+            return
+        version, (ref,) = self._offer
+        self.policy.set_weights(await ref, version)
+        self.weights_fetched += 1
+
+
+class LearnerHost:
+    """The learner actor: samples ``dqn.batches_per_call`` batches per call, updates on each, sends
+    their priorities back in one call, and publishes weights every ``dqn.publish_every`` updates."""
+
+    def __init__(self, sc: EnvScenario, seed: int) -> None:
+        torch.set_num_threads(max(1, int(sc.learner_role.num_cpus)))
+        self.sc = sc
+        self.learner = make_learner(sc, seed)
+        self.version = 0
+        self.updates = 0
+        self.policy_lag: list[float] = []
+        self._latest: list = []
+        self._samplers: list = []
+
+    def publish(self, samplers: list) -> int:
+        """Put the weights in the object store once and offer that reference to every sampler."""
+        self._samplers = samplers
+        ref = ray.put(self.learner.weights())
+        self._latest = [ref]
+        for s in samplers:
+            s.offer.remote(self.version, [ref])
+        return self.version
+
+    def latest(self) -> tuple[int, list]:
+        """(version, [ObjectRef]) of the newest published weights."""
+        return self.version, self._latest
+
+    async def run(self, replay) -> dict:
+        d = self.sc.dqn
+        k, b = d.batches_per_call, d.batch_size
+        rows_per_env_step = b / self.sc.replay.samples_per_insert
+        while True:
+            beta = beta_at(self.sc, int(self.updates * rows_per_env_step))
+            try:
+                rows, slots, weights = await replay.sample.remote(k * b, beta)
+            except LimiterClosed:
+                break
+            prio = np.empty(k * b, np.float64)
+            for j in range(k):
+                part = slice(j * b, (j + 1) * b)
+                prio[part], _ = self.learner.update({c: v[part] for c, v in rows.items()}, weights[part])
+                self.policy_lag.append(self.version - float(np.mean(rows["version"][part])))
+                self.updates += 1
+                if self.updates % d.publish_every == 0:
+                    self.version += 1
+                    self.publish(self._samplers)
+            await replay.update_priorities.remote(slots, prio)
+        return {"updates": self.updates, "versions": self.version, "policy_lag": self.policy_lag}
+
+
+def evaluate_weights(sc: EnvScenario, seed: int, weights: dict[str, np.ndarray], episodes: int, part: int) -> np.ndarray:
+    """Returns of ``episodes`` greedy episodes of the given weights: one evaluation task."""
+    torch.set_num_threads(1)
+    policy = make_policy(sc, seed, 0)
+    policy.set_weights(weights, 0)
+    return episode_returns(policy.greedy, sc.env.id, episodes, seed * 7919 + EVAL_SEED + 101 * part)
+
+
+_evaluate = ray.remote(num_cpus=0)(evaluate_weights)
+
+
+def run_async(sc: EnvScenario, seed: int, *, stop_at_target: bool = True, eval_tasks: int = 2, poll_s: float = 0.2) -> EnvCurve:
+    """One async run on the Ray instance this process is connected to."""
+    e = sc.env
+    _check_fits(sc)
+    args, kwargs = replay_args(sc, seed)
+    replay = ray.remote(TransitionReplay).options(
+        num_cpus=sc.replay_role.num_cpus, max_concurrency=sc.replay_role.max_concurrency,
+    ).remote(*args, **kwargs)
+    samplers = [
+        ray.remote(SamplerHost).options(num_cpus=sc.sampler_role.num_cpus, max_concurrency=sc.sampler_role.max_concurrency)
+        .remote(sc, seed, i) for i in range(e.samplers)
+    ]
+    learner = ray.remote(LearnerHost).options(
+        num_cpus=sc.learner_role.num_cpus, max_concurrency=sc.learner_role.max_concurrency,
+    ).remote(sc, seed)
+    actors = [replay, learner, *samplers]
+    curve = EnvCurve()
+    try:
+        ray.get(learner.publish.remote(samplers))  # version 0 reaches every sampler before it acts
+        t0 = time.perf_counter()
+        per_sampler = -(-e.env_steps // e.samplers)
+        runs = [s.run.remote(replay, per_sampler) for s in samplers]
+        learning = learner.run.remote(replay)
+        evals: dict[Any, tuple[int, float]] = {}  # task group -> (env steps, wall s when the weights were taken)
+        pending: dict[int, list] = {}
+        next_eval = e.eval_every
+        reached = False
+        while True:
+            done, _ = ray.wait(runs, num_returns=len(runs), timeout=poll_s)
+            steps = ray.get(replay.stats.remote())["env_steps"]
+            if steps >= next_eval or len(done) == len(runs):
+                next_eval = (steps // e.eval_every + 1) * e.eval_every
+                _, (ref,) = ray.get(learner.latest.remote())
+                key = len(evals)
+                evals[key] = (steps, time.perf_counter() - t0)
+                share = -(-e.eval_episodes // eval_tasks)
+                pending[key] = [
+                    _evaluate.remote(sc, seed, ref, min(share, e.eval_episodes - i * share), i)
+                    for i in range(eval_tasks) if e.eval_episodes - i * share > 0
+                ]
+            reached = _collect(pending, evals, curve, e.target_return, wait=False) and stop_at_target
+            if reached or len(done) == len(runs):
+                break
+        for s in samplers:
+            s.stop.remote()
+        ray.get(replay.close.remote())  # releases a sampler or the learner waiting on the limiter
+        sampled = ray.get(runs)
+        learned = ray.get(learning)
+        _collect(pending, evals, curve, e.target_return, wait=True)
+        curve.updates, curve.versions, curve.policy_lag = learned["updates"], learned["versions"], learned["policy_lag"]
+        curve.replay = ray.get(replay.stats.remote())
+        curve.replay["sampler_chunks"] = sum(r["chunks"] for r in sampled)
+        curve.replay["sampler_env_steps"] = sum(r["env_steps"] for r in sampled)
+        curve.replay["sampler_rows"] = sum(r["rows"] for r in sampled)
+        curve.replay["weights_fetched"] = [r["weights_fetched"] for r in sampled]
+        curve.episodes = curve.replay["episodes"]
+        return curve
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+
+def _check_fits(sc: EnvScenario) -> None:
+    """Refuse, before any actor starts, a run whose actors cannot all be placed: Ray would keep
+    the extra ones pending and the run would never end."""
+    need = sc.env.samplers * sc.sampler_role.num_cpus + sc.learner_role.num_cpus + sc.replay_role.num_cpus
+    have = ray.cluster_resources().get("CPU", 0.0)
+    if need > have:
+        raise ValueError(
+            f"env.samplers = {sc.env.samplers}: the samplers, learner and replay reserve {need:g} CPUs and the "
+            f"Ray cluster has {have:g}; fix: fewer samplers, or a smaller sampler_role.num_cpus"
+        )
+
+
+def _collect(pending: dict, evals: dict, curve: EnvCurve, target: float, wait: bool) -> bool:
+    """Move finished evaluations into the curve, in launch order; True once one reached ``target``."""
+    for key in sorted(pending):
+        refs = pending[key]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=None if wait else 0)
+        if len(done) < len(refs):
+            if not wait:
+                break  # keep the curve in order: a later evaluation waits for an earlier one
+        returns = np.concatenate(ray.get(refs))
+        steps, wall = evals[key]
+        curve.env_steps.append(steps)
+        curve.wall_s.append(wall)
+        curve.eval_return.append(float(returns.mean()))
+        log.info("env steps %d: evaluation return %.1f", steps, returns.mean())
+        del pending[key]
+    return any(r >= target for r in curve.eval_return)

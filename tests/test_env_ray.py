@@ -1,0 +1,44 @@
+"""The env pipeline's async mode on Ray: sampler actors, the replay actor and the learner actor."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.model.config import with_changes
+from core.model.env_config import EnvScenario
+from core.runtimes.ray_env import run_async
+
+# Small and quick: what is checked here is the actors' traffic and accounting. Learning to 475
+# is the sync test's and the dated results' (docs/results).
+QUICK = {
+    "env.env_steps": 6_000, "env.samplers": 2, "env.eval_every": 3_000, "env.eval_episodes": 10,
+    "dqn.hidden": [64, 64], "dqn.publish_every": 32, "dqn.batches_per_call": 4,
+    "replay.samples_per_insert": 4.0, "replay.min_size_to_sample": 500,
+    "sampler_role.num_cpus": 0.5,
+}
+
+
+def test_async_run_accounts_for_every_chunk_and_row(ray_session):
+    sc = with_changes(EnvScenario(), QUICK)
+    curve = run_async(sc, seed=0, stop_at_target=False)
+    st = curve.replay
+    # Every chunk the samplers sent arrived once, in order; every row is stored or refused at close.
+    assert st["chunks"] == st["sampler_chunks"] > 0
+    assert st["env_steps"] == st["sampler_env_steps"] >= 6_000
+    assert st["rows_inserted"] + st["rows_refused"] == st["sampler_rows"]
+    assert st["rows_sampled"] == st["samples"] == curve.updates * 64
+    # The limiter held the ratio within its band: after warm-up, samples owed stay in centre +- band.
+    band = sc.error_buffer()
+    assert abs(st["inserts"] * 4.0 - st["samples"] - 500 * 4.0) <= band + sc.max_chunk_rows() * 4.0
+    # Weights went out as versions, and every sampler took some through the object store.
+    assert curve.versions == curve.updates // 32 > 0
+    assert all(n >= 1 for n in st["weights_fetched"])
+    assert min(curve.policy_lag) >= 0
+    # Evaluations ran as remote tasks while training went on, and came back in order.
+    assert len(curve.eval_return) >= 2 and curve.env_steps == sorted(curve.env_steps)
+
+
+def test_a_run_the_cluster_cannot_place_is_refused_before_it_starts(ray_session):
+    sc = with_changes(EnvScenario(), {"env.samplers": 8})
+    with pytest.raises(ValueError, match=r"env.samplers = 8: .* reserve 9 CPUs and the Ray cluster has 2"):
+        run_async(sc, seed=0)
