@@ -24,6 +24,11 @@ REWARD_FIGURES = (
     ("time_s", "reward_vs_time.png", "seconds from the run's start"),
     ("samples", "reward_vs_samples.png", "trained samples"),
 )
+# An env run's: evaluation return of every mode.
+RETURN_FIGURES = (
+    ("time_s", "return_vs_time.png", "seconds of training"),
+    ("env_steps", "return_vs_env_steps.png", "environment steps"),
+)
 
 
 def _zoom(syncs: list, end: float, versions: int = 4) -> tuple[float, float]:
@@ -142,14 +147,18 @@ def band(curves: list[dict], x: str, points: int = 200) -> tuple[np.ndarray, np.
     return grid, ys.mean(axis=0), ys.min(axis=0), ys.max(axis=0)
 
 
-def reward_curves_png(curves: dict[str, list[dict]], target: float, title: str, where: Path) -> list[Path]:
+def reward_curves_png(
+    curves: dict[str, list[dict]], target: float, title: str, where: Path,
+    figures: tuple = REWARD_FIGURES, ylabel: str = "batch reward, trailing mean",
+) -> list[Path]:
     """Trailing mean batch reward of every mode against seconds from the run's start and
     against trained samples, the target as a dashed line (``curves``: per mode, one curve per
     seed, from ``harness.metrics.reward_curve``). One seed: each mode's curve; several: the
-    mean over seeds with a min..max band."""
+    mean over seeds with a min..max band. ``figures`` and ``ylabel`` name other axes (an env
+    run's evaluation return against env steps)."""
     written = []
     ys = [y for cs in curves.values() for c in cs for y in c["reward"]] + [target]
-    for x, name, xlabel in REWARD_FIGURES:
+    for x, name, xlabel in figures:
         fig, ax = plt.subplots(figsize=(7.5, 4.2))
         for mode, cs in curves.items():
             color = MODE_COLORS.get(mode)
@@ -162,7 +171,7 @@ def reward_curves_png(curves: dict[str, list[dict]], target: float, title: str, 
         ax.axhline(target, color="#888888", ls="--", lw=1, label=f"target {target:g}")
         ax.set_ylim(min(0.0, min(ys)), max(1.0, max(ys)))
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("batch reward, trailing mean")
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right", fontsize=8)
         ax.set_title(title, fontsize=9, loc="left")

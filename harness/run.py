@@ -28,9 +28,11 @@ from core.real.workers import apply_env
 from core.runtimes.dispatch import run_mode
 from core.runtimes.inproc import RunStopped
 from core.runtimes.ray import cluster
+from core.runtimes.ray_env import PlacementError
 from core.runtimes.run_checkpoint import load_run, scenario_digest
 from core.store.checkpoint import CheckpointError
 from core.model.config import with_changes
+from core.model.env_config import EnvScenario
 from core.model.owned import discard_owned, is_owned, make_owned, remove_owned, replaceable, stamp
 from harness import report
 from harness.console import (
@@ -38,7 +40,8 @@ from harness.console import (
 )
 from harness.gpu_sampler import NvmlSampler
 from harness.metrics import reward_curve
-from harness.plots import REWARD_FIGURES, reward_curves_png, reward_png, timeline_png
+from harness import env_run
+from harness.plots import RETURN_FIGURES, REWARD_FIGURES, reward_curves_png, reward_png, timeline_png
 from harness.profiler import Profiler
 from harness.scenario import ScenarioError, Variant, load_resolved, load_variants
 from harness.sweep import has_sweep
@@ -82,10 +85,25 @@ def main(argv: list[str] | None = None) -> int:
                 raise ScenarioError("no scenario given; fix: pass a scenario YAML such as scenarios/quickstart.yaml, or --resume RUN_DIR")
             variants, done = load_variants(args.scenario, args.overrides), {}
             out = args.out or Path("runs") / f"{variants[0].scenario.name}-{datetime.now():%Y%m%d-%H%M%S}"
-            _check_new_run(variants, out, args)
+            if isinstance(variants[0].scenario, EnvScenario):
+                _check_env_run(variants, out, args)
+            else:
+                _check_new_run(variants, out, args)
     except (ScenarioError, CheckpointError) as exc:
         err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         return 2
+
+    if isinstance(variants[0].scenario, EnvScenario):
+        sc = variants[0].scenario
+        try:
+            summary = env_run.main(sc, out, console, plots=not args.no_plots)
+        except PlacementError as exc:  # what only the cluster can tell, before any actor starts
+            err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            return 2
+        console.print(env_run.table(sc, summary))
+        figures = [] if args.no_plots else [name for _, name, _ in RETURN_FIGURES]
+        console.print(f"reports in {out}: summary.json, seed-<s>/<mode>/report.json" + "".join(f", {f}" for f in figures), highlight=False)
+        return 0
 
     first = variants[0].scenario
     in_place = args.resume is not None or _resumable_run(first, args)
@@ -150,6 +168,17 @@ def main(argv: list[str] | None = None) -> int:
         files.append(f"{runs}/profile/*.svg")
     console.print(f"reports in {out}: {', '.join(files)}", highlight=False)
     return 0
+
+
+def _check_env_run(variants: list[Variant], out: Path, args) -> None:
+    """An env scenario runs whole: one scenario, no checkpoints or profiles yet (issue 14)."""
+    if len(variants) > 1 or variants[0].label is not None:
+        raise ScenarioError(f"{args.scenario}: an env scenario with variants is not supported yet; fix: one scenario per file")
+    for flag, given in (("--stop-at-step", args.stop_at_step is not None), ("--profile", args.profile)):
+        if given:
+            raise ScenarioError(f"{flag}: not supported for an env scenario yet; fix: drop {flag}")
+    if not replaceable(out, "run", "summary.json"):
+        raise ScenarioError(f"--out {out}: exists and is not a run directory asyncrl created; fix: pass a new directory")
 
 
 def _resumable_run(sc, args) -> bool:
@@ -220,7 +249,7 @@ def _resumable(args) -> tuple[list[Variant], Path, dict]:
 
 def _run_variant(sc, label, where: Path, env: dict, console: Console, plots: bool, profile: bool = False, **kw) -> dict:
     if sc.runtime == "ray":
-        with cluster(sc):  # one Ray instance for every mode and seed of the run
+        with cluster(sc.ray.address, sc.ray.num_cpus, sc.reward.serve):  # one Ray instance for every mode and seed of the run
             return _run_seeds(sc, label, where, env, console, plots, profile, **kw)
     return _run_seeds(sc, label, where, env, console, plots, profile, **kw)
 

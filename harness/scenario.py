@@ -16,14 +16,20 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from core.model.config import ConfigError, Scenario, set_dotted
+from core.model.env_config import EnvScenario
 
 
 class ScenarioError(Exception):
     """A scenario that cannot run; the message is the whole story, one line."""
 
 
-def _model_at(loc: tuple) -> type[BaseModel] | None:
-    model: type[BaseModel] = Scenario
+def _root(data: dict) -> type[BaseModel]:
+    """The scenario model a file describes: an env workload (``kind: env``) or an LLM one."""
+    return EnvScenario if isinstance(data, dict) and data.get("kind") == "env" else Scenario
+
+
+def _model_at(loc: tuple, root: type[BaseModel] = Scenario) -> type[BaseModel] | None:
+    model: type[BaseModel] = root
     for part in loc:
         field = model.model_fields.get(str(part))
         if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
@@ -32,11 +38,11 @@ def _model_at(loc: tuple) -> type[BaseModel] | None:
     return model
 
 
-def _fix_for(err: dict) -> tuple[str, str]:
+def _fix_for(err: dict, root: type[BaseModel]) -> tuple[str, str]:
     """(problem, fix) for one pydantic error."""
     kind, ctx, loc = err["type"], err.get("ctx", {}), err["loc"]
     if kind == "extra_forbidden":
-        parent = _model_at(tuple(loc[:-1]))
+        parent = _model_at(tuple(loc[:-1]), root)
         names = list(parent.model_fields) if parent else []
         close = difflib.get_close_matches(str(loc[-1]), names, n=1)
         hint = f"did you mean '{close[0]}'?" if close else f"known keys here: {', '.join(names)}"
@@ -58,7 +64,7 @@ def _fix_for(err: dict) -> tuple[str, str]:
     return err["msg"], "see the field's docstring in core/model/config.py"
 
 
-def _error_line(exc: ValidationError, origin: dict[str, str]) -> str:
+def _error_line(exc: ValidationError, origin: dict[str, str], root: type[BaseModel] = Scenario) -> str:
     err = exc.errors()[0]
     cause = err.get("ctx", {}).get("error")
     if isinstance(cause, ConfigError):
@@ -66,7 +72,7 @@ def _error_line(exc: ValidationError, origin: dict[str, str]) -> str:
     else:
         key = ".".join(str(p) for p in err["loc"]) or "(scenario)"
         value = err.get("input")
-        problem, fix = _fix_for(err)
+        problem, fix = _fix_for(err, root)
         if isinstance(value, dict):
             value = "{...}"
     where = origin.get(key, origin.get("", ""))
@@ -98,16 +104,17 @@ def _read(path: Path) -> dict:
     return data
 
 
-def _build(data: dict, changes: list[tuple[str, Any, str]], origin: dict[str, str]) -> Scenario:
+def _build(data: dict, changes: list[tuple[str, Any, str]], origin: dict[str, str]) -> Scenario | EnvScenario:
     data = copy.deepcopy(data)
     origin = dict(origin)
     for key, value, where in changes:
         _set(data, key, value, where)
         origin[key] = where
+    root = _root(data)
     try:
-        return Scenario.model_validate(data)
+        return root.model_validate(data)
     except ValidationError as exc:
-        raise ScenarioError(_error_line(exc, origin)) from None
+        raise ScenarioError(_error_line(exc, origin, root)) from None
 
 
 def _parse_sets(overrides: list[str]) -> list[tuple[str, Any, str]]:
@@ -130,7 +137,7 @@ class Variant:
     """One scenario of a file; files with a ``variants:`` section hold several."""
 
     label: Optional[str]
-    scenario: Scenario
+    scenario: Scenario | EnvScenario
     published: dict = field(default_factory=dict)
 
 

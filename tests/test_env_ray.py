@@ -14,7 +14,7 @@ QUICK = {
     "env.env_steps": 6_000, "env.samplers": 2, "env.eval_every": 3_000, "env.eval_episodes": 10,
     "dqn.hidden": [64, 64], "dqn.publish_every": 32, "dqn.batches_per_call": 4,
     "replay.samples_per_insert": 4.0, "replay.min_size_to_sample": 500,
-    "sampler_role.num_cpus": 0.5,
+    "ray.sampler.num_cpus": 0.5,
 }
 
 

@@ -109,12 +109,9 @@ class DQNLearner:
 
     def update(self, batch: dict[str, np.ndarray], weights: np.ndarray) -> tuple[np.ndarray, dict]:
         """One Adam step on a minibatch; returns the rows' new priorities and the step's figures."""
-        obs = torch.as_tensor(batch["obs"])
-        nxt = torch.as_tensor(batch["next_obs"])
-        act = torch.as_tensor(batch["action"])
-        rew = torch.as_tensor(batch["reward"])
-        disc = torch.as_tensor(batch["discount"])
-        w = torch.as_tensor(np.asarray(weights, dtype=np.float32))
+        # Copies: a batch from the replay actor arrives as read-only views of the object store.
+        obs, nxt, act, rew, disc = (torch.tensor(batch[k]) for k in ("obs", "next_obs", "action", "reward", "discount"))
+        w = torch.tensor(np.asarray(weights, dtype=np.float32))
         q = self.online(obs).gather(1, act[:, None]).squeeze(1)
         with torch.no_grad():
             best = self.online(nxt).argmax(1, keepdim=True)

@@ -41,7 +41,12 @@ class EnvCurve:
     policy_lag: list[float] = field(default_factory=list)
     """Per update: the learner's version minus the mean version of its minibatch's rows (a replay
     keeps rows of many versions, so this is the age of what the learner trains on)."""
+    train_s: float = 0.0
+    """Seconds the run trained (sync mode: without its evaluations)."""
     episodes: int = 0
+    learner: dict = field(default_factory=dict)
+    """Where the learner's time went: ``update_s`` in its own updates; in async mode also
+    ``sample_wait_s`` and ``priority_wait_s``, waiting on the replay actor."""
     replay: dict = field(default_factory=dict)
     """The replay's counters at the end (rows in, sampled, evicted unsampled, blocked time per side)."""
 
@@ -72,6 +77,7 @@ async def run_sync(
     t0 = time.perf_counter()
     next_eval = sc.env.eval_every
     eval_s = 0.0  # evaluations are measurement, not training: the clock stops while they run
+    update_s = 0.0
 
     def record() -> bool:
         nonlocal eval_s
@@ -88,11 +94,12 @@ async def run_sync(
         while sampler.env_steps < sc.env.env_steps:
             chunk = sampler.collect()
             curve.episodes += len(chunk.episode_returns)
-            if len(chunk):
-                await replay.insert({**chunk.columns, "version": chunk.version})
+            await replay.insert_chunk(chunk)
             while replay.limiter.can_sample(batch):
                 rows, slots, weights = await replay.sample(batch, beta_at(sc, sampler.env_steps))
+                u0 = time.perf_counter()
                 prio, _ = learner.update(rows, weights)
+                update_s += time.perf_counter() - u0
                 replay.update_priorities(slots, prio)
                 curve.policy_lag.append(curve.versions - float(np.mean(rows["version"])))
                 curve.updates += 1
@@ -106,5 +113,7 @@ async def run_sync(
         record()
         return curve
     finally:
+        curve.train_s = time.perf_counter() - t0 - eval_s
+        curve.learner = {"update_s": update_s}
         curve.replay = replay.stats()
         sampler.close()

@@ -91,6 +91,21 @@ class ReplayLimitSpec(_Frozen):
     smallest band that holds one chunk's insert and one sample, the tightest that cannot deadlock."""
 
 
+class EnvRaySpec(_Frozen):
+    """Async mode's Ray instance and what each role reserves."""
+
+    address: str | None = None
+    """Join this cluster (e.g. `auto`); None starts a local instance for the run and stops it after."""
+    num_cpus: int | None = Field(None, ge=1)
+    """CPUs of the local instance; None gives it every core of the machine."""
+    sampler: RoleSpec = RoleSpec(num_cpus=1.0, max_concurrency=4)
+    """Each sampler actor: its environments and the policy's forward pass."""
+    learner: RoleSpec = RoleSpec(num_cpus=1.0, max_concurrency=4)
+    """The learner actor."""
+    replay: RoleSpec = RoleSpec(num_cpus=0.0, max_concurrency=64)
+    """The replay actor: bookkeeping and sampling, no network."""
+
+
 class EnvScenario(_Frozen):
     """One env workload, run in one or more modes."""
 
@@ -111,12 +126,8 @@ class EnvScenario(_Frozen):
     """The learner."""
     replay: ReplayLimitSpec = ReplayLimitSpec()
     """The replay and its rate limit."""
-    sampler_role: RoleSpec = RoleSpec(num_cpus=1.0, max_concurrency=4)
-    """Each sampler actor (async mode)."""
-    learner_role: RoleSpec = RoleSpec(num_cpus=1.0, max_concurrency=4)
-    """The learner actor (async mode)."""
-    replay_role: RoleSpec = RoleSpec(num_cpus=0.0, max_concurrency=64)
-    """The replay actor (async mode): bookkeeping and sampling, no network."""
+    ray: EnvRaySpec = EnvRaySpec()
+    """Async mode's Ray instance and actors."""
 
     @model_validator(mode="after")
     def _consistent(self) -> "EnvScenario":

@@ -75,34 +75,36 @@ def _died() -> tuple[type, ...]:
     return ex.RayActorError, ex.ActorUnavailableError
 
 
-def start_cluster(sc: Scenario) -> bool:
-    """Connect to ``ray.address``, or start a local instance; True if this call started it.
-    An instance already connected in this process (a test session's) is reused."""
+def start_cluster(address: Optional[str], num_cpus: Optional[int]) -> bool:
+    """Connect to ``address``, or start a local instance of ``num_cpus`` (None: every core);
+    True if this call started it. An instance already connected in this process (a test
+    session's) is reused."""
     ray = _ray()
     for k, v in ENV_VARS.items():
         os.environ.setdefault(k, v)
     if ray.is_initialized():
         return False
     env = {"env_vars": dict(ENV_VARS)}
-    if sc.ray.address:
-        ray.init(address=sc.ray.address, runtime_env=env, log_to_driver=False)
+    if address:
+        ray.init(address=address, runtime_env=env, log_to_driver=False)
     else:
         ray.init(
-            num_cpus=sc.ray.num_cpus or os.cpu_count(), include_dashboard=False, runtime_env=env,
+            num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, runtime_env=env,
             log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG,
         )
     return True
 
 
 @contextlib.contextmanager
-def cluster(sc: Scenario):
-    """Ray connected for the block: started (and stopped after) unless already connected."""
-    started = start_cluster(sc)
+def cluster(address: Optional[str], num_cpus: Optional[int], serve: bool = False):
+    """Ray connected for the block: started (and stopped after) unless already connected;
+    ``serve``: shut Ray Serve down first."""
+    started = start_cluster(address, num_cpus)
     try:
         yield
     finally:
         if started:
-            if sc.reward.serve:
+            if serve:
                 from ray import serve
 
                 serve.shutdown()
@@ -594,7 +596,7 @@ def _run_ray(sc: Scenario, mode: str, on_step, on_processes, run_dir: str) -> Ru
 
     ensure(sc.tiny_model.path, sc.tiny_model)
     sc = sc.model_copy(update={"tiny_model": sc.tiny_model.model_copy(update={"path": os.path.abspath(sc.tiny_model.path)})})
-    with cluster(sc):  # started here unless already connected (the harness starts one per run)
+    with cluster(sc.ray.address, sc.ray.num_cpus, sc.reward.serve):  # started here unless already connected (the harness starts one per run)
         place = Placement.of(sc, mode)
         actors: list = []
         pg = None

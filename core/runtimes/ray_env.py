@@ -38,12 +38,16 @@ from core.model.env_config import EnvScenario
 log = logging.getLogger(__name__)
 
 
+class PlacementError(ValueError):
+    """The cluster cannot hold the run's actors; raised before any starts."""
+
+
 class SamplerHost:
     """One sampler actor: its environments and policy. Sends chunks to the replay; takes the
     newest offered weights between two chunks, skipping versions it never needed."""
 
     def __init__(self, sc: EnvScenario, seed: int, sampler_id: int) -> None:
-        torch.set_num_threads(max(1, int(sc.sampler_role.num_cpus)))
+        torch.set_num_threads(max(1, int(sc.ray.sampler.num_cpus)))
         self.policy = make_policy(sc, seed, sampler_id)
         self.sampler = make_sampler(sc, seed, sampler_id, self.policy)
         self._offer: Optional[tuple[int, list]] = None
@@ -89,12 +93,15 @@ class LearnerHost:
     their priorities back in one call, and publishes weights every ``dqn.publish_every`` updates."""
 
     def __init__(self, sc: EnvScenario, seed: int) -> None:
-        torch.set_num_threads(max(1, int(sc.learner_role.num_cpus)))
+        torch.set_num_threads(max(1, int(sc.ray.learner.num_cpus)))
         self.sc = sc
         self.learner = make_learner(sc, seed)
         self.version = 0
         self.updates = 0
         self.policy_lag: list[float] = []
+        # Where the learner's time goes: its own updates (publishing included), against waiting
+        # for a sample call (the rate limit, or the replay actor) and for the priorities' call.
+        self.update_s = self.sample_wait_s = self.priority_wait_s = 0.0
         self._latest: list = []
         self._samplers: list = []
 
@@ -115,12 +122,16 @@ class LearnerHost:
         d = self.sc.dqn
         k, b = d.batches_per_call, d.batch_size
         rows_per_env_step = b / self.sc.replay.samples_per_insert
+        clock = time.perf_counter
         while True:
             beta = beta_at(self.sc, int(self.updates * rows_per_env_step))
+            t0 = clock()
             try:
                 rows, slots, weights = await replay.sample.remote(k * b, beta)
             except LimiterClosed:
                 break
+            t1 = clock()
+            self.sample_wait_s += t1 - t0
             prio = np.empty(k * b, np.float64)
             for j in range(k):
                 part = slice(j * b, (j + 1) * b)
@@ -130,8 +141,12 @@ class LearnerHost:
                 if self.updates % d.publish_every == 0:
                     self.version += 1
                     self.publish(self._samplers)
+            t2 = clock()
+            self.update_s += t2 - t1
             await replay.update_priorities.remote(slots, prio)
-        return {"updates": self.updates, "versions": self.version, "policy_lag": self.policy_lag}
+            self.priority_wait_s += clock() - t2
+        return {"updates": self.updates, "versions": self.version, "policy_lag": self.policy_lag,
+                "update_s": self.update_s, "sample_wait_s": self.sample_wait_s, "priority_wait_s": self.priority_wait_s}
 
 
 def evaluate_weights(sc: EnvScenario, seed: int, weights: dict[str, np.ndarray], episodes: int, part: int) -> np.ndarray:
@@ -148,17 +163,17 @@ _evaluate = ray.remote(num_cpus=0)(evaluate_weights)
 def run_async(sc: EnvScenario, seed: int, *, stop_at_target: bool = True, eval_tasks: int = 2, poll_s: float = 0.2) -> EnvCurve:
     """One async run on the Ray instance this process is connected to."""
     e = sc.env
-    _check_fits(sc)
+    check_fits(sc)
     args, kwargs = replay_args(sc, seed)
     replay = ray.remote(TransitionReplay).options(
-        num_cpus=sc.replay_role.num_cpus, max_concurrency=sc.replay_role.max_concurrency,
+        num_cpus=sc.ray.replay.num_cpus, max_concurrency=sc.ray.replay.max_concurrency,
     ).remote(*args, **kwargs)
     samplers = [
-        ray.remote(SamplerHost).options(num_cpus=sc.sampler_role.num_cpus, max_concurrency=sc.sampler_role.max_concurrency)
+        ray.remote(SamplerHost).options(num_cpus=sc.ray.sampler.num_cpus, max_concurrency=sc.ray.sampler.max_concurrency)
         .remote(sc, seed, i) for i in range(e.samplers)
     ]
     learner = ray.remote(LearnerHost).options(
-        num_cpus=sc.learner_role.num_cpus, max_concurrency=sc.learner_role.max_concurrency,
+        num_cpus=sc.ray.learner.num_cpus, max_concurrency=sc.ray.learner.max_concurrency,
     ).remote(sc, seed)
     actors = [replay, learner, *samplers]
     curve = EnvCurve()
@@ -193,8 +208,10 @@ def run_async(sc: EnvScenario, seed: int, *, stop_at_target: bool = True, eval_t
         ray.get(replay.close.remote())  # releases a sampler or the learner waiting on the limiter
         sampled = ray.get(runs)
         learned = ray.get(learning)
+        curve.train_s = time.perf_counter() - t0
         _collect(pending, evals, curve, e.target_return, wait=True)
         curve.updates, curve.versions, curve.policy_lag = learned["updates"], learned["versions"], learned["policy_lag"]
+        curve.learner = {k: learned[k] for k in ("update_s", "sample_wait_s", "priority_wait_s")}
         curve.replay = ray.get(replay.stats.remote())
         curve.replay["sampler_chunks"] = sum(r["chunks"] for r in sampled)
         curve.replay["sampler_env_steps"] = sum(r["env_steps"] for r in sampled)
@@ -207,15 +224,15 @@ def run_async(sc: EnvScenario, seed: int, *, stop_at_target: bool = True, eval_t
             ray.kill(a)
 
 
-def _check_fits(sc: EnvScenario) -> None:
+def check_fits(sc: EnvScenario) -> None:
     """Refuse, before any actor starts, a run whose actors cannot all be placed: Ray would keep
     the extra ones pending and the run would never end."""
-    need = sc.env.samplers * sc.sampler_role.num_cpus + sc.learner_role.num_cpus + sc.replay_role.num_cpus
+    need = sc.env.samplers * sc.ray.sampler.num_cpus + sc.ray.learner.num_cpus + sc.ray.replay.num_cpus
     have = ray.cluster_resources().get("CPU", 0.0)
     if need > have:
-        raise ValueError(
+        raise PlacementError(
             f"env.samplers = {sc.env.samplers}: the samplers, learner and replay reserve {need:g} CPUs and the "
-            f"Ray cluster has {have:g}; fix: fewer samplers, or a smaller sampler_role.num_cpus"
+            f"Ray cluster has {have:g}; fix: fewer samplers, or a smaller ray.sampler.num_cpus"
         )
 
 

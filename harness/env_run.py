@@ -1,0 +1,139 @@
+"""An env scenario (``kind: env``) run by ``python -m harness.run``: every mode, every seed, then
+one report per run, a summary over seeds, and the evaluation return of every mode in one figure.
+
+Written into a run directory asyncrl creates and stamps (the same rules as an LLM run's):
+``DIR/seed-<s>/<mode>/report.json``, ``DIR/summary.json``, ``DIR/return_vs_time.png`` and
+``DIR/return_vs_env_steps.png``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from core.env.sync_loop import EnvCurve, run_sync
+from core.model.env_config import EnvScenario
+from core.model.owned import discard_owned, make_owned, remove_owned
+from core.runtimes.ray import cluster
+from core.runtimes.ray_env import check_fits, run_async
+from harness import report
+from harness.plots import RETURN_FIGURES, reward_curves_png
+
+SCHEMA = "asyncrl.env-report/1"
+# Figures reported per run and, over seeds, with their spread.
+HEADLINE = (
+    "time_to_target_s", "env_steps_to_target", "final_return", "env_steps_per_s", "updates_per_s",
+    "samples_per_insert", "policy_lag_mean", "sampler_blocked_s", "learner_blocked_s",
+)
+
+
+def metrics(sc: EnvScenario, curve: EnvCurve) -> dict:
+    """One run's figures. Time to target is training time until the first evaluated policy at or
+    above ``env.target_return``; None if no evaluation got there."""
+    hit = curve.first_reaching(sc.env.target_return)
+    st = curve.replay
+    steps = st["env_steps"]
+    return {
+        "reached_target": hit is not None,
+        "time_to_target_s": curve.wall_s[hit] if hit is not None else None,
+        "env_steps_to_target": curve.env_steps[hit] if hit is not None else None,
+        "final_return": curve.eval_return[-1] if curve.eval_return else None,
+        "best_return": max(curve.eval_return) if curve.eval_return else None,
+        "env_steps": steps,
+        "train_s": curve.train_s,
+        "env_steps_per_s": steps / curve.train_s if curve.train_s else None,
+        "updates": curve.updates,
+        "updates_per_s": curve.updates / curve.train_s if curve.train_s else None,
+        "versions": curve.versions,
+        "samples_per_insert": st["samples_per_insert"],
+        "policy_lag_mean": float(np.mean(curve.policy_lag)) if curve.policy_lag else None,
+        # Which side the rate limit held back, and for how long.
+        "sampler_blocked_s": st["insert_blocked_s"],
+        "learner_blocked_s": st["sample_blocked_s"],
+        "rows_inserted": st["rows_inserted"],
+        "rows_evicted_unsampled": st["rows_evicted_unsampled"],
+        "rows_refused": st["rows_refused"],
+        "episodes": curve.episodes,
+    }
+
+
+def run_one(sc: EnvScenario, mode: str, seed: int) -> EnvCurve:
+    return asyncio.run(run_sync(sc, seed)) if mode == "sync" else run_async(sc, seed)
+
+
+def main(sc: EnvScenario, out: Path, console: Console, plots: bool) -> dict:
+    """Run every mode over every seed into ``out`` (built aside, moved into place whole)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = make_owned(out.parent, f".{out.name}.", "run")
+    try:
+        env = report.environment()
+        per_mode: dict[str, dict[int, dict]] = {m: {} for m in sc.modes}
+        curves: dict[str, list[dict]] = {m: [] for m in sc.modes}
+        needs_ray = "async" in sc.modes
+        with cluster(sc.ray.address, sc.ray.num_cpus) if needs_ray else contextlib.nullcontext():
+            if needs_ray:
+                check_fits(sc)  # before any mode runs
+            for seed in sc.run_seeds():
+                for mode in sc.modes:
+                    console.print(f"[bold]{sc.name}[/] seed {seed}, {mode} ...", highlight=False)
+                    curve = run_one(sc, mode, seed)
+                    m = metrics(sc, curve)
+                    per_mode[mode][seed] = m
+                    curves[mode].append({"time_s": curve.wall_s, "env_steps": curve.env_steps, "reward": curve.eval_return})
+                    where = staging / f"seed-{seed}" / mode
+                    where.mkdir(parents=True)
+                    report.write_json(where / "report.json", {
+                        "schema": SCHEMA, "scenario": sc.model_dump(mode="json"), "mode": mode, "seed": seed,
+                        **env, "metrics": m,
+                        "series": {"eval_env_steps": curve.env_steps, "eval_time_s": curve.wall_s, "eval_return": curve.eval_return},
+                    })
+        summary = {
+            "schema": SCHEMA, "scenario_name": sc.name, "seeds": list(sc.run_seeds()),
+            "modes": {m: {k: report.spread({s: r[k] for s, r in runs.items()}) for k in HEADLINE} for m, runs in per_mode.items()},
+            "reached": {m: sum(r["reached_target"] for r in runs.values()) for m, runs in per_mode.items()},
+        }
+        report.write_json(staging / "summary.json", summary)
+        if plots:
+            reward_curves_png(curves, sc.env.target_return, f"{sc.name}: greedy evaluation return ({sc.env.eval_episodes} episodes)",
+                              staging, figures=RETURN_FIGURES, ylabel="mean evaluation return")
+        remove_owned(out, "run")
+        staging.rename(out)
+    except BaseException:
+        discard_owned(staging, "run")
+        raise
+    return summary
+
+
+def table(sc: EnvScenario, summary: dict) -> Table:
+    n = len(summary["seeds"])
+    t = Table(title=f"{sc.name}: time to a mean evaluation return of {sc.env.target_return:g}"
+                    + (f", mean (min..max) over {n} seeds" if n > 1 else ""))
+    for col in ("mode", "reached", "time to target, s", "env steps to target", "env steps/s", "updates/s",
+                "samples/insert", "policy lag, versions", "sampler waited, s", "learner waited, s", "final return"):
+        t.add_column(col, justify="left" if col == "mode" else "right")
+    for mode, figs in summary["modes"].items():
+        t.add_row(
+            mode, f"{summary['reached'][mode]}/{n}",
+            _fmt(figs["time_to_target_s"], "{:.1f}"), _fmt(figs["env_steps_to_target"], "{:,.0f}"),
+            _fmt(figs["env_steps_per_s"], "{:,.0f}"), _fmt(figs["updates_per_s"], "{:,.0f}"),
+            _fmt(figs["samples_per_insert"], "{:.1f}"), _fmt(figs["policy_lag_mean"], "{:.1f}"),
+            _fmt(figs["sampler_blocked_s"], "{:.1f}"), _fmt(figs["learner_blocked_s"], "{:.1f}"),
+            _fmt(figs["final_return"], "{:.0f}"),
+        )
+    t.caption = ("time to target: training seconds until the first evaluation at or above the target (sync stops "
+                 "its clock while it evaluates; async evaluates beside training); waited: seconds the rate limit "
+                 "held that side back; policy lag: learner version minus the mean version of its batch's rows")
+    return t
+
+
+def _fmt(s: dict, form: str) -> str:
+    if s["mean"] is None:
+        return "-"
+    if s["n"] > 1:
+        return f"{form.format(s['mean'])}\n({form.format(s['min'])}..{form.format(s['max'])})"
+    return form.format(s["mean"])
