@@ -80,9 +80,12 @@ def main(sc: EnvScenario, out: Path, console: Console, plots: bool) -> dict:
                 check_fits(sc)  # before any mode runs
             for seed in sc.run_seeds():
                 for mode in sc.modes:
-                    console.print(f"[bold]{sc.name}[/] seed {seed}, {mode} ...", highlight=False)
                     curve = run_one(sc, mode, seed)
                     m = metrics(sc, curve)
+                    got = (f"reached {sc.env.target_return:g} after {m['time_to_target_s']:.1f} s, {m['env_steps_to_target']:,} env steps"
+                           if m["reached_target"] else f"did not reach {sc.env.target_return:g}")
+                    console.print(f"{sc.name} seed {seed}, {mode}: {got}; {m['env_steps']:,} env steps, {m['updates']:,} updates "
+                                  f"in {m['train_s']:.1f} s", highlight=False)
                     per_mode[mode][seed] = m
                     curves[mode].append({"time_s": curve.wall_s, "env_steps": curve.env_steps, "reward": curve.eval_return})
                     where = staging / f"seed-{seed}" / mode
@@ -100,7 +103,7 @@ def main(sc: EnvScenario, out: Path, console: Console, plots: bool) -> dict:
         report.write_json(staging / "summary.json", summary)
         if plots:
             reward_curves_png(curves, sc.env.target_return, f"{sc.name}: greedy evaluation return ({sc.env.eval_episodes} episodes)",
-                              staging, figures=RETURN_FIGURES, ylabel="mean evaluation return")
+                              staging, figures=RETURN_FIGURES, ylabel="mean evaluation return", per_seed=True)
         remove_owned(out, "run")
         staging.rename(out)
     except BaseException:

@@ -149,13 +149,14 @@ def band(curves: list[dict], x: str, points: int = 200) -> tuple[np.ndarray, np.
 
 def reward_curves_png(
     curves: dict[str, list[dict]], target: float, title: str, where: Path,
-    figures: tuple = REWARD_FIGURES, ylabel: str = "batch reward, trailing mean",
+    figures: tuple = REWARD_FIGURES, ylabel: str = "batch reward, trailing mean", per_seed: bool = False,
 ) -> list[Path]:
     """Trailing mean batch reward of every mode against seconds from the run's start and
     against trained samples, the target as a dashed line (``curves``: per mode, one curve per
     seed, from ``harness.metrics.reward_curve``). One seed: each mode's curve; several: the
-    mean over seeds with a min..max band. ``figures`` and ``ylabel`` name other axes (an env
-    run's evaluation return against env steps)."""
+    mean over seeds with a min..max band, or with ``per_seed`` every seed's own curve (runs that
+    stop at the target end at different points, which a band over their overlap would hide).
+    ``figures`` and ``ylabel`` name other axes (an env run's evaluation return against env steps)."""
     written = []
     ys = [y for cs in curves.values() for c in cs for y in c["reward"]] + [target]
     for x, name, xlabel in figures:
@@ -164,6 +165,11 @@ def reward_curves_png(
             color = MODE_COLORS.get(mode)
             if len(cs) == 1:
                 ax.plot(cs[0][x], cs[0]["reward"], "-", color=color, lw=1.5, label=mode)
+                continue
+            if per_seed:
+                for i, c in enumerate(cs):
+                    ax.plot(c[x], c["reward"], "o-", color=color, lw=1.0, ms=3, alpha=0.8,
+                            label=f"{mode}: {len(cs)} seeds, one line each" if i == 0 else None)
                 continue
             grid, mean, lo, hi = band(cs, x)
             ax.plot(grid, mean, "-", color=color, lw=1.5, label=f"{mode}: mean of {len(cs)} seeds, band min..max")

@@ -46,7 +46,7 @@ class EnvCurve:
     episodes: int = 0
     learner: dict = field(default_factory=dict)
     """Where the learner's time went: ``update_s`` in its own updates; in async mode also
-    ``sample_wait_s`` and ``priority_wait_s``, waiting on the replay actor."""
+    ``sample_wait_s``, waiting for a sample from the replay actor."""
     replay: dict = field(default_factory=dict)
     """The replay's counters at the end (rows in, sampled, evicted unsampled, blocked time per side)."""
 

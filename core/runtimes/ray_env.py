@@ -100,8 +100,8 @@ class LearnerHost:
         self.updates = 0
         self.policy_lag: list[float] = []
         # Where the learner's time goes: its own updates (publishing included), against waiting
-        # for a sample call (the rate limit, or the replay actor) and for the priorities' call.
-        self.update_s = self.sample_wait_s = self.priority_wait_s = 0.0
+        # for a sample (held back by the rate limit, or by the replay actor's answer).
+        self.update_s = self.sample_wait_s = 0.0
         self._latest: list = []
         self._samplers: list = []
 
@@ -119,17 +119,27 @@ class LearnerHost:
         return self.version, self._latest
 
     async def run(self, replay) -> dict:
+        """Learn until the replay closes. The next sample call is in flight while the learner
+        updates on the current one, and priorities go back without waiting for an answer (the
+        next call's answer checks the previous one's), so a learner the rate limit does not hold
+        back never waits on the replay's round trip. The price, as in Ape-X: a batch is drawn
+        before the previous batch's priorities are in."""
         d = self.sc.dqn
         k, b = d.batches_per_call, d.batch_size
-        rows_per_env_step = b / self.sc.replay.samples_per_insert
+        env_steps_per_update = b / self.sc.replay.samples_per_insert
         clock = time.perf_counter
+        beta = lambda: beta_at(self.sc, int(self.updates * env_steps_per_update))  # noqa: E731
+        incoming = replay.sample.remote(k * b, beta())
+        sent = None
         while True:
-            beta = beta_at(self.sc, int(self.updates * rows_per_env_step))
             t0 = clock()
             try:
-                rows, slots, weights = await replay.sample.remote(k * b, beta)
+                rows, slots, weights = await incoming
             except LimiterClosed:
                 break
+            incoming = replay.sample.remote(k * b, beta())
+            if sent is not None:
+                await sent  # answered long ago; raises here if the replay refused the priorities
             t1 = clock()
             self.sample_wait_s += t1 - t0
             prio = np.empty(k * b, np.float64)
@@ -141,12 +151,12 @@ class LearnerHost:
                 if self.updates % d.publish_every == 0:
                     self.version += 1
                     self.publish(self._samplers)
-            t2 = clock()
-            self.update_s += t2 - t1
-            await replay.update_priorities.remote(slots, prio)
-            self.priority_wait_s += clock() - t2
+            self.update_s += clock() - t1
+            sent = replay.update_priorities.remote(slots, prio)
+        if sent is not None:
+            await sent
         return {"updates": self.updates, "versions": self.version, "policy_lag": self.policy_lag,
-                "update_s": self.update_s, "sample_wait_s": self.sample_wait_s, "priority_wait_s": self.priority_wait_s}
+                "update_s": self.update_s, "sample_wait_s": self.sample_wait_s}
 
 
 def evaluate_weights(sc: EnvScenario, seed: int, weights: dict[str, np.ndarray], episodes: int, part: int) -> np.ndarray:
@@ -211,7 +221,7 @@ def run_async(sc: EnvScenario, seed: int, *, stop_at_target: bool = True, eval_t
         curve.train_s = time.perf_counter() - t0
         _collect(pending, evals, curve, e.target_return, wait=True)
         curve.updates, curve.versions, curve.policy_lag = learned["updates"], learned["versions"], learned["policy_lag"]
-        curve.learner = {k: learned[k] for k in ("update_s", "sample_wait_s", "priority_wait_s")}
+        curve.learner = {k: learned[k] for k in ("update_s", "sample_wait_s")}
         curve.replay = ray.get(replay.stats.remote())
         curve.replay["sampler_chunks"] = sum(r["chunks"] for r in sampled)
         curve.replay["sampler_env_steps"] = sum(r["env_steps"] for r in sampled)
