@@ -108,6 +108,7 @@ def test_sync_dqn_is_deterministic_for_a_seed():
     ({"replay.capacity": 500}, r"replay.min_size_to_sample = 1000: is more rows than replay.capacity = 500"),
     ({"replay.error_buffer": 10.0}, r"replay.error_buffer = 10.0: the band cannot hold one chunk of 272 rows"),
     ({"modes": ["sync", "sync"]}, r"modes = \['sync', 'sync'\]"),
+    ({"dqn.hidden": [64, 0]}, r"dqn.hidden = \[64, 0\]: every layer needs a width of at least 1"),
 ])
 def test_a_bad_env_scenario_is_one_error_naming_the_key(changes, match):
     with pytest.raises(ValueError, match=match):

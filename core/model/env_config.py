@@ -136,6 +136,8 @@ class EnvScenario(_Frozen):
         if len(set(self.seeds)) != len(self.seeds):
             raise ConfigError("seeds", list(self.seeds), "a seed is listed twice", "list each seed once, e.g. [0, 1, 2]")
         d, r = self.dqn, self.replay
+        if not d.hidden or min(d.hidden) < 1:
+            raise ConfigError("dqn.hidden", list(d.hidden), "every layer needs a width of at least 1", "e.g. [256, 256]")
         if d.eps_end > d.eps_start:
             raise ConfigError("dqn.eps_end", d.eps_end, f"is above dqn.eps_start = {d.eps_start}", "make eps_end <= eps_start")
         if r.min_size_to_sample < self.max_sample_rows():

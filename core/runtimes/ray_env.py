@@ -199,6 +199,11 @@ def run_async(sc: EnvScenario, seed: int, *, stop_at_target: bool = True, eval_t
         reached = False
         while True:
             done, _ = ray.wait(runs, num_returns=len(runs), timeout=poll_s)
+            if ray.wait([learning], timeout=0)[0]:
+                # The learner ended while samplers still ran: only an error does that, and the
+                # samplers would wait on the rate limit for ever. Raise it now.
+                ray.get(learning)
+                raise RuntimeError("the learner stopped before the samplers did")
             steps = ray.get(replay.stats.remote())["env_steps"]
             if steps >= next_eval or len(done) == len(runs):
                 next_eval = (steps // e.eval_every + 1) * e.eval_every
