@@ -96,8 +96,8 @@ def test_sync_dqn_is_deterministic_for_a_seed():
     probe = np.random.default_rng(5).normal(size=(256, 4)).astype(np.float32)
     seen = []
     grab = lambda p: seen.append(p.greedy(probe)) or 0.0
-    a = asyncio.run(run_sync(cartpole(3000), seed=3, evaluate=grab))
-    b = asyncio.run(run_sync(cartpole(3000), seed=3, evaluate=grab))
+    a = asyncio.run(run_sync(cartpole(1600), seed=3, evaluate=grab))  # learning starts at 1,000 rows
+    b = asyncio.run(run_sync(cartpole(1600), seed=3, evaluate=grab))
     assert a.updates == b.updates > 0 and a.replay == b.replay
     assert np.array_equal(seen[0], seen[1])
 
