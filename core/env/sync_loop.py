@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import numpy as np
+import torch
 
 from core.env.dqn import EpsilonGreedy
 from core.env.evaluation import episode_returns
-from core.env.wiring import EVAL_SEED, beta_at, make_learner, make_policy, make_replay, make_sampler
+from core.env.wiring import EVAL_SEED, beta_at, learner_threads, make_learner, make_policy, make_replay, make_sampler
 from core.model.env_config import EnvScenario
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ async def run_sync(
     """Train for ``env.env_steps`` (or until an evaluation reaches ``env.target_return``, with
     ``stop_at_target``). Evaluations run every ``env.eval_every`` env steps and at the end."""
     evaluate = evaluate or greedy_return(sc, seed)
+    torch.set_num_threads(learner_threads(sc))
     policy = make_policy(sc, seed, 0)
     sampler = make_sampler(sc, seed, 0, policy)
     replay = make_replay(sc, seed)

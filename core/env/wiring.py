@@ -81,6 +81,12 @@ def make_replay(sc: EnvScenario, seed: int) -> TransitionReplay:
     return TransitionReplay(*args, **kwargs)
 
 
+def learner_threads(sc: EnvScenario) -> int:
+    """Torch threads of the learner, in either mode: what its actor reserves (``ray.learner.num_cpus``),
+    at least one. Sync mode takes the same, so the two learners compute alike."""
+    return max(1, int(sc.ray.learner.num_cpus))
+
+
 def beta_at(sc: EnvScenario, env_steps: int) -> float:
     """PER's importance exponent: from ``replay.beta_start`` to 1 over the run's env steps."""
     b0 = sc.replay.beta_start

@@ -32,7 +32,7 @@ from core.env.evaluation import episode_returns
 from core.env.rate_limiter import LimiterClosed
 from core.env.sync_loop import EnvCurve
 from core.env.transition_replay import TransitionReplay
-from core.env.wiring import EVAL_SEED, beta_at, make_learner, make_policy, make_sampler, replay_args
+from core.env.wiring import EVAL_SEED, beta_at, learner_threads, make_learner, make_policy, make_sampler, replay_args
 from core.model.env_config import EnvScenario
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class LearnerHost:
     their priorities back in one call, and publishes weights every ``dqn.publish_every`` updates."""
 
     def __init__(self, sc: EnvScenario, seed: int) -> None:
-        torch.set_num_threads(max(1, int(sc.ray.learner.num_cpus)))
+        torch.set_num_threads(learner_threads(sc))
         self.sc = sc
         self.learner = make_learner(sc, seed)
         self.version = 0
