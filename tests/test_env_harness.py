@@ -31,6 +31,15 @@ def test_an_env_scenario_runs_sync_and_writes_its_reports(tmp_path, capsys):
     assert "time to a mean evaluation return of 475" in printed
 
 
+def test_uniform_replay_and_one_step_rows_run_too(tmp_path):
+    out = tmp_path / "run"
+    rc = main(["scenarios/cartpole-dqn.yaml", "--out", str(out), "--no-plots", "--set", "modes=[sync]",
+               "--set", "replay.prioritized=false", "--set", "env.n_step=1", *QUICK])
+    assert rc == 0
+    m = json.loads((out / "seed-0" / "sync" / "report.json").read_text())["metrics"]
+    assert m["updates"] > 0
+
+
 def test_an_env_scenario_runs_async_on_ray(tmp_path, ray_session):
     out = tmp_path / "run"
     rc = main(["scenarios/cartpole-dqn.yaml", "--out", str(out), "--no-plots", "--set", "modes=[async]",

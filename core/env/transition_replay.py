@@ -116,7 +116,10 @@ class TransitionReplay:
         return batch, slots, weights
 
     def update_priorities(self, slots: np.ndarray, priorities: np.ndarray) -> None:
-        self.buffer.update_priorities(slots, priorities)
+        """New priorities of sampled slots; a uniform replay has none, and takes them as nothing,
+        so a learner need not know which kind it draws from."""
+        if self.buffer.prioritized:
+            self.buffer.update_priorities(slots, priorities)
 
     def close(self) -> None:
         """Release the waiting samplers and learners: the run is stopping."""
