@@ -112,7 +112,8 @@ async def run_sync(
                 next_eval += sc.env.eval_every
                 if record():
                     return curve
-        record()
+        if not curve.env_steps or curve.env_steps[-1] != sampler.env_steps:
+            record()  # the final policy, unless the last evaluation already saw it
         return curve
     finally:
         curve.train_s = time.perf_counter() - t0 - eval_s
