@@ -107,7 +107,8 @@ def test_sync_dqn_is_deterministic_for_a_seed():
     ({"replay.min_size_to_sample": 100}, r"replay.min_size_to_sample = 100: .* use at least .* = 512"),
     ({"replay.capacity": 500}, r"replay.min_size_to_sample = 1000: is more rows than replay.capacity = 500"),
     ({"replay.error_buffer": 10.0}, r"replay.error_buffer = 10.0: the band cannot hold one chunk of 272 rows"),
-    ({"modes": ["sync", "sync"]}, r"modes = \['sync', 'sync'\]"),
+    ({"modes": ["sync", "sync"]}, r"modes = \['sync', 'sync'\]: a mode is listed twice"),
+    ({"seeds": [0, -1]}, r"seeds = \[0, -1\]: seeds must be distinct and not negative"),
     ({"dqn.hidden": [64, 0]}, r"dqn.hidden = \[64, 0\]: every layer needs a width of at least 1"),
 ])
 def test_a_bad_env_scenario_is_one_error_naming_the_key(changes, match):

@@ -27,6 +27,17 @@ class ConfigError(ValueError):
         super().__init__(f"{key} = {value!r}: {problem}; fix: {fix}")
 
 
+def check_runs(modes: tuple, seeds: tuple, choices: tuple[str, ...]) -> None:
+    """What every scenario's ``modes`` and ``seeds`` must be: at least one mode, each once; seeds
+    distinct and not negative."""
+    if not modes:
+        raise ConfigError("modes", list(modes), "no mode to run", f"list one or more of {', '.join(choices)}")
+    if len(set(modes)) != len(modes):
+        raise ConfigError("modes", list(modes), "a mode is listed twice", "list each mode once")
+    if len(set(seeds)) != len(seeds) or any(x < 0 for x in seeds):
+        raise ConfigError("seeds", list(seeds), "seeds must be distinct and not negative", "list each seed once, e.g. [0, 1, 2]")
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
@@ -577,12 +588,7 @@ class Scenario(_Frozen):
     def _consistent(self) -> "Scenario":
         n = self.workload.group_size
         bs = self.trainer.batch_size
-        if not self.modes:
-            raise ConfigError("modes", list(self.modes), "no mode to run", "list one or more of sync, async, partial, inflight")
-        if len(set(self.modes)) != len(self.modes):
-            raise ConfigError("modes", list(self.modes), "a mode is listed twice", "list each mode once")
-        if len(set(self.seeds)) != len(self.seeds) or any(x < 0 for x in self.seeds):
-            raise ConfigError("seeds", list(self.seeds), "seeds must be distinct and not negative", "list each seed once, e.g. [0, 1, 2]")
+        check_runs(self.modes, self.seeds, MODES)
         if bs % n:
             fix = f"use a multiple of workload.group_size = {n}, such as {max(n, round(bs / n) * n)}"
             raise ConfigError("trainer.batch_size", bs, "must hold whole groups", fix)

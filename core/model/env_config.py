@@ -14,9 +14,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from core.model.config import ConfigError, RoleSpec, _Frozen
+from core.model.config import ConfigError, RoleSpec, _Frozen, check_runs
 
 EnvMode = Literal["sync", "async"]
+ENV_MODES: tuple[str, ...] = ("sync", "async")
 
 
 class EnvSpec(_Frozen):
@@ -131,10 +132,7 @@ class EnvScenario(_Frozen):
 
     @model_validator(mode="after")
     def _consistent(self) -> "EnvScenario":
-        if not self.modes or len(set(self.modes)) != len(self.modes):
-            raise ConfigError("modes", list(self.modes), "list each mode once, at least one", "e.g. [sync, async]")
-        if len(set(self.seeds)) != len(self.seeds):
-            raise ConfigError("seeds", list(self.seeds), "a seed is listed twice", "list each seed once, e.g. [0, 1, 2]")
+        check_runs(self.modes, self.seeds, ENV_MODES)
         d, r = self.dqn, self.replay
         if not d.hidden or min(d.hidden) < 1:
             raise ConfigError("dqn.hidden", list(d.hidden), "every layer needs a width of at least 1", "e.g. [256, 256]")
