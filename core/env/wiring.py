@@ -10,6 +10,8 @@ its own Ray actor (``core/runtimes/ray_env.py``), built by the same functions he
 
 from __future__ import annotations
 
+import functools
+
 import gymnasium as gym
 import numpy as np
 
@@ -25,11 +27,18 @@ SAMPLER_SEED, EVAL_SEED = 1_000, 7_000
 
 def env_shape(sc: EnvScenario) -> tuple[int, int]:
     """(observation size, number of actions) of the scenario's environment."""
-    env = gym.make(sc.env.id)
+    return _spaces(sc.env.id)
+
+
+@functools.lru_cache(maxsize=None)
+def _spaces(env_id: str) -> tuple[int, int]:
+    # Once per process: the policy, the learner and the replay's columns all ask, and each
+    # answer would otherwise build and close an environment.
+    env = gym.make(env_id)
     try:
         obs, act = env.observation_space, env.action_space
         if not isinstance(act, gym.spaces.Discrete) or len(obs.shape) != 1:
-            raise ValueError(f"env.id {sc.env.id!r}: DQN needs a vector observation and discrete actions, got {obs} and {act}")
+            raise ValueError(f"env.id {env_id!r}: DQN needs a vector observation and discrete actions, got {obs} and {act}")
         return int(obs.shape[0]), int(act.n)
     finally:
         env.close()
