@@ -28,7 +28,7 @@ SCHEMA = "asyncrl.env-report/1"
 # Figures reported per run and, over seeds, with their spread.
 HEADLINE = (
     "time_to_target_s", "env_steps_to_target", "final_return", "env_steps_per_s", "updates_per_s",
-    "samples_per_insert", "policy_lag_mean", "sampler_blocked_s", "learner_blocked_s",
+    "samples_per_insert", "policy_lag_mean", "sampler_blocked_s", "learner_blocked_s", "chunks_dropped_stale", "chunks_lost",
 )
 
 
@@ -38,6 +38,14 @@ def metrics(sc: EnvScenario, curve: EnvCurve) -> dict:
     hit = curve.first_reaching(sc.env.target_return)
     st = curve.replay
     steps = st["env_steps"]
+    if sc.learner == "ppo":
+        # Transitions drawn by gradient steps per transition that arrived: epochs, less what was dropped.
+        spi = curve.updates * sc.ppo.minibatch / steps if steps else 0.0
+        dropped = st["stale_on_arrival"] + st["evicted_stale"] + st["stale_at_learner"]
+        accounted = curve.trained_chunks + dropped + st["chunks_refused"] + st["left_at_end"]
+    else:
+        spi, dropped = st["samples_per_insert"], 0
+        accounted = st["chunks"]
     return {
         "reached_target": hit is not None,
         "time_to_target_s": curve.wall_s[hit] if hit is not None else None,
@@ -50,15 +58,21 @@ def metrics(sc: EnvScenario, curve: EnvCurve) -> dict:
         "updates": curve.updates,
         "updates_per_s": curve.updates / curve.train_s if curve.train_s else None,
         "versions": curve.versions,
-        "samples_per_insert": st["samples_per_insert"],
+        "samples_per_insert": spi,
         "policy_lag_mean": float(np.mean(curve.policy_lag)) if curve.policy_lag else None,
         # Which side the rate limit held back, and for how long.
         "sampler_blocked_s": st["insert_blocked_s"],
         "learner_blocked_s": st["sample_blocked_s"],
-        "rows_inserted": st["rows_inserted"],
-        "rows_evicted_unsampled": st["rows_evicted_unsampled"],
+        "rows_inserted": st.get("rows_inserted"),
+        "rows_evicted_unsampled": st.get("rows_evicted_unsampled"),
         "rows_refused": st["rows_refused"],
         "episodes": curve.episodes,
+        # The ledger: every chunk a sampler sent is stored, trained, dropped (by reason) or refused at the end.
+        "chunks_produced": curve.produced_chunks,
+        "chunks_trained": curve.trained_chunks if sc.learner == "ppo" else None,
+        "chunks_dropped_stale": dropped,
+        "chunks_lost": curve.produced_chunks - accounted,
+        "learner": curve.learner,
     }
 
 
@@ -117,7 +131,8 @@ def table(sc: EnvScenario, summary: dict) -> Table:
     t = Table(title=f"{sc.name}: time to a mean evaluation return of {sc.env.target_return:g}"
                     + (f", mean (min..max) over {n} seeds" if n > 1 else ""))
     for col in ("mode", "reached", "time to target, s", "env steps to target", "env steps/s", "updates/s",
-                "samples/insert", "policy lag, versions", "sampler waited, s", "learner waited, s", "final return"):
+                "samples/insert", "policy lag, versions", "sampler waited, s", "learner waited, s", "chunks dropped / lost",
+                "final return"):
         t.add_column(col, justify="left" if col == "mode" else "right")
     for mode, figs in summary["modes"].items():
         t.add_row(
@@ -126,11 +141,14 @@ def table(sc: EnvScenario, summary: dict) -> Table:
             _fmt(figs["env_steps_per_s"], "{:,.0f}"), _fmt(figs["updates_per_s"], "{:,.0f}"),
             _fmt(figs["samples_per_insert"], "{:.1f}"), _fmt(figs["policy_lag_mean"], "{:.1f}"),
             _fmt(figs["sampler_blocked_s"], "{:.1f}"), _fmt(figs["learner_blocked_s"], "{:.1f}"),
+            f"{_fmt(figs['chunks_dropped_stale'], '{:.0f}')} / {_fmt(figs['chunks_lost'], '{:.0f}')}",
             _fmt(figs["final_return"], "{:.0f}"),
         )
     t.caption = ("time to target: training seconds until the first evaluation at or above the target (sync stops "
-                 "its clock while it evaluates; async evaluates beside training); waited: seconds the rate limit "
-                 "held that side back; policy lag: learner version minus the mean version of its batch's rows")
+                 "its clock while it evaluates; async evaluates beside training); waited: seconds the store held that side "
+                 "back (DQN: the rate limit; PPO: the queue); policy lag: learner version minus the mean version of its "
+                 "batch's rows; chunks dropped: too stale to train (PPO); lost: sent by a sampler and in no count, "
+                 "which must be 0")
     return t
 
 

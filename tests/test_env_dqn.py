@@ -79,13 +79,15 @@ def cartpole(env_steps: int, **changes) -> EnvScenario:
 
 def test_sync_dqn_learns_cartpole_to_475():
     """Seed 1 of the tuned settings: a mean return of at least 475 over 100 greedy episodes
-    within 30,000 env steps (it got there at 15,104 when this test was written)."""
+    within 30,000 env steps (it got there at 15,104 when this test was written, and at the first
+    evaluation, 5,120, on a fresh install of 2026-12-01)."""
     curve = asyncio.run(run_sync(cartpole(30_000), seed=1))
     assert curve.eval_return[-1] >= 475.0, curve.eval_return
-    assert curve.eval_return[0] < curve.eval_return[-1]
     st = curve.replay
-    # The limiter held the tuned ratio: 32 samples per inserted row, within its band.
-    assert st["samples_per_insert"] == pytest.approx(32.0, rel=0.1)
+    # The limiter held the tuned ratio: 32 samples per row inserted after the first 1,000, within its band.
+    sc = cartpole(30_000)
+    owed = (st["inserts"] - sc.replay.min_size_to_sample) * sc.replay.samples_per_insert
+    assert abs(st["samples"] - owed) <= sc.error_buffer(), (st["samples"], owed)
     # Rows are never newer than the weights, and a replay trains on rows of older versions too.
     assert min(curve.policy_lag) >= 0 and curve.policy_lag[-1] > 1
 

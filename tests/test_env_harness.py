@@ -49,6 +49,16 @@ def test_an_env_scenario_runs_async_on_ray(tmp_path, ray_session):
     assert m["env_steps"] >= 3000 and m["updates"] > 0 and m["versions"] >= 1
 
 
+def test_a_ppo_scenario_runs_sync_and_its_ledger_balances(tmp_path):
+    out = tmp_path / "run"
+    rc = main(["scenarios/cartpole-ppo.yaml", "--out", str(out), "--no-plots", "--set", "modes=[sync]",
+               "--set", "env.env_steps=2048", "--set", "env.eval_every=1024", "--set", "env.eval_episodes=5", "--set", "ppo.epochs=2"])
+    assert rc == 0
+    m = json.loads((out / "seed-0" / "sync" / "report.json").read_text())["metrics"]
+    assert m["chunks_produced"] == m["chunks_trained"] == 8 and m["chunks_lost"] == 0 and m["chunks_dropped_stale"] == 0
+    assert m["samples_per_insert"] == pytest.approx(2.0) and m["policy_lag_mean"] == 0.0
+
+
 @pytest.mark.parametrize("extra, needle", [
     (["--set", "dqn.lr=-1"], "dqn.lr = -1: input should be greater than 0"),
     (["--set", "env.sampler=2"], "env.sampler = 2: unknown key; fix: remove it; did you mean 'samplers'?"),

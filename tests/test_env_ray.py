@@ -42,3 +42,23 @@ def test_a_run_the_cluster_cannot_place_is_refused_before_it_starts(ray_session)
     sc = with_changes(EnvScenario(), {"env.samplers": 8})
     with pytest.raises(ValueError, match=r"env.samplers = 8: .* reserve 9 CPUs and the Ray cluster has 2"):
         run_async(sc, seed=0)
+
+
+def test_async_ppo_trains_each_chunk_once_within_its_staleness_and_accounts_for_the_rest(ray_session):
+    sc = with_changes(EnvScenario(), {
+        "learner": "ppo", "env.env_steps": 4_000, "env.samplers": 2, "env.eval_every": 2_000, "env.eval_episodes": 10,
+        "ppo.epochs": 2, "ppo.queue_chunks": 2, "ray.sampler.num_cpus": 0.5,
+    })
+    curve = run_async(sc, seed=0, stop_at_target=False)
+    st = curve.replay
+    dropped = st["stale_on_arrival"] + st["evicted_stale"] + st["stale_at_learner"]
+    # The ledger: every chunk a sampler sent arrived, and was trained once, dropped as stale,
+    # refused at close or left queued at the end.
+    assert curve.produced_chunks == st["chunks"] == st["sampler_chunks"] > 0
+    assert curve.trained_chunks + dropped + st["chunks_refused"] + st["left_at_end"] == st["chunks"]
+    assert curve.trained_chunks == curve.versions > 0 and st["delivered"] == curve.trained_chunks + st["stale_at_learner"]
+    # Each trained chunk lagged the learner by at most ppo.max_staleness versions.
+    assert len(curve.policy_lag) == curve.trained_chunks and 0 <= min(curve.policy_lag) and max(curve.policy_lag) <= 1
+    assert curve.updates == curve.trained_chunks * 2 and all(n >= 1 for n in st["weights_fetched"])
+    # V-trace's figures came back from the learner.
+    assert 0.5 < curve.learner["rho_mean"] < 2.0 and 0.0 <= curve.learner["rho_truncated"] <= 1.0

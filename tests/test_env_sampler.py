@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from core.env.evaluation import episode_returns
-from core.env.sampler import EnvSampler
+from core.env.sampler import EnvSampler, NStepRows, SegmentRows
 from core.model.transition_wire import TransitionChunk, from_bytes, to_record
 from ext import codec
 
@@ -39,6 +39,11 @@ class Countdown(gym.Env):
 
 gym.register("asyncrl-test/Countdown-terminates-v0", entry_point=Countdown, kwargs={"length": 5}, max_episode_steps=100)
 gym.register("asyncrl-test/Countdown-truncated-v0", entry_point=Countdown, kwargs={"length": 100}, max_episode_steps=4)
+
+
+def nstep_sampler(*, sampler_id, env_id, num_envs, seed, policy, n_step, gamma, send_every) -> EnvSampler:
+    rows = NStepRows(num_envs, (2,) if "Countdown" in env_id else (4,), n_step, gamma)
+    return EnvSampler(sampler_id=sampler_id, env_id=env_id, num_envs=num_envs, seed=seed, policy=policy, rows=rows, send_every=send_every)
 
 
 class Fixed:
@@ -72,7 +77,7 @@ def expected_rows(m: int, terminated: bool, n: int, g: float, episode: int) -> l
 def test_n_step_rows_match_a_brute_force_across_chunks(env_id, m, terminated, n):
     g = 0.9
     pol = Fixed()
-    s = EnvSampler(sampler_id=3, env_id=env_id, num_envs=2, seed=0, policy=pol, n_step=n, gamma=g, send_every=3)
+    s = nstep_sampler(sampler_id=3, env_id=env_id, num_envs=2, seed=0, policy=pol, n_step=n, gamma=g, send_every=3)
     chunks = []
     for k in range(8):  # 24 steps per env: rows cross chunk boundaries for every n
         pol.version = k
@@ -109,13 +114,40 @@ def test_n_step_rows_match_a_brute_force_across_chunks(env_id, m, terminated, n)
 
 def test_bad_sampler_arguments_are_refused():
     with pytest.raises(ValueError, match="n_step=0"):
-        EnvSampler(sampler_id=0, env_id="CartPole-v1", num_envs=1, seed=0, policy=Fixed(), n_step=0, gamma=0.9, send_every=1)
+        nstep_sampler(sampler_id=0, env_id="CartPole-v1", num_envs=1, seed=0, policy=Fixed(), n_step=0, gamma=0.9, send_every=1)
     with pytest.raises(ValueError, match="gamma=1.5"):
-        EnvSampler(sampler_id=0, env_id="CartPole-v1", num_envs=1, seed=0, policy=Fixed(), n_step=1, gamma=1.5, send_every=1)
+        nstep_sampler(sampler_id=0, env_id="CartPole-v1", num_envs=1, seed=0, policy=Fixed(), n_step=1, gamma=1.5, send_every=1)
+    with pytest.raises(ValueError, match="send_every=0"):
+        EnvSampler(sampler_id=0, env_id="CartPole-v1", num_envs=1, seed=0, policy=Fixed(), rows=SegmentRows(), send_every=0)
+
+
+@pytest.mark.parametrize("env_id, m, terminated", [
+    ("asyncrl-test/Countdown-terminates-v0", 5, True),
+    ("asyncrl-test/Countdown-truncated-v0", 4, False),
+])
+def test_segment_rows_keep_every_step_in_order_with_the_true_next_observation(env_id, m, terminated):
+    pol = Fixed()
+    s = EnvSampler(sampler_id=2, env_id=env_id, num_envs=3, seed=0, policy=pol, rows=SegmentRows(), send_every=7)
+    for k in range(3):
+        pol.version = k
+        c = s.collect()
+        col = c.columns
+        assert len(c) == 3 and (c.version == k).all() and c.env_steps == 21
+        assert col["obs"].shape == (3, 7, 2) and col["next_obs"].shape == (3, 7, 2) and col["reward"].shape == (3, 7)
+        for t in range(7):
+            step = 7 * k + t  # env steps so far, per env; every env runs the same episodes
+            t_in_ep = step % m
+            assert (col["obs"][:, t, 0] == t_in_ep).all() and (col["reward"][:, t] == t_in_ep + 1).all()
+            # The observation after the step: the final one at an episode's end, not the reset's.
+            assert (col["next_obs"][:, t, 0] == t_in_ep + 1).all()
+            ended = t_in_ep + 1 == m
+            assert (col["ended"][:, t] == float(ended)).all()
+            assert (col["terminated"][:, t] == float(ended and terminated)).all()
+        assert (col["logp"] == np.float32(-0.5)).all() and (col["action"] == 1).all()
 
 
 def chunk() -> TransitionChunk:
-    s = EnvSampler(sampler_id=1, env_id="CartPole-v1", num_envs=3, seed=4, policy=Fixed(), n_step=3, gamma=0.99, send_every=40)
+    s = nstep_sampler(sampler_id=1, env_id="CartPole-v1", num_envs=3, seed=4, policy=Fixed(), n_step=3, gamma=0.99, send_every=40)
     return s.collect()
 
 

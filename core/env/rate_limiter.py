@@ -32,9 +32,12 @@ import math
 import time
 from typing import Optional
 
+from core.pipeline.staleness_queue import QueueClosed
 
-class LimiterClosed(RuntimeError):
-    """The limiter was closed while a request waited, or before it was made."""
+
+class LimiterClosed(QueueClosed):
+    """The limiter was closed while a request waited, or before it was made. A kind of
+    ``QueueClosed``: a sampler stops on either intake's close alike."""
 
 
 class RateLimiter:

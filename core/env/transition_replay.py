@@ -18,13 +18,12 @@ from typing import Mapping, Optional
 
 import numpy as np
 
+from core.env.chunk_intake import ChunkAccountingError, ChunkIntake
 from core.env.rate_limiter import LimiterClosed, RateLimiter
 from core.model.transition_wire import TransitionChunk
 from ext.replay import ReplayBuffer
 
-
-class ChunkAccountingError(RuntimeError):
-    """A sampler's chunk arrived out of order: one before it was lost, or it came twice."""
+__all__ = ["ChunkAccountingError", "TransitionReplay"]
 
 
 class TransitionReplay:
@@ -57,11 +56,7 @@ class TransitionReplay:
         self.rows_inserted = 0
         self.rows_sampled = 0
         self.rows_evicted_unsampled = 0
-        self.rows_refused = 0  # rows of chunks that arrived after close: produced, never stored
-        self.env_steps = 0
-        self.chunks = 0
-        self.episode_returns: list[float] = []
-        self._next_seq: dict[int, int] = {}
+        self.intake = ChunkIntake()
 
     def __len__(self) -> int:
         return len(self.buffer)
@@ -85,24 +80,15 @@ class TransitionReplay:
         """Store a sampler's chunk: its rows, with the version of each as a column. Returns the rows
         stored. Once the replay is closed, raises ``LimiterClosed`` and counts the rows as refused;
         after a timeout nothing is counted, and the sampler may send the same chunk again."""
-        want = self._next_seq.get(chunk.sampler, 0)
-        if chunk.seq != want:
-            raise ChunkAccountingError(f"sampler {chunk.sampler}: chunk {chunk.seq} arrived where chunk {want} was due")
+        self.intake.check(chunk)
         try:
             if len(chunk):
                 await self.insert({**chunk.columns, "version": chunk.version}, timeout)
         except LimiterClosed:
-            self.rows_refused += len(chunk)
-            self._arrived(chunk)
+            self.intake.arrived(chunk, refused=True)
             raise
-        self._arrived(chunk)
+        self.intake.arrived(chunk)
         return len(chunk)
-
-    def _arrived(self, chunk: TransitionChunk) -> None:
-        self._next_seq[chunk.sampler] = chunk.seq + 1
-        self.chunks += 1
-        self.env_steps += chunk.env_steps
-        self.episode_returns.extend(float(x) for x in chunk.episode_returns)
 
     async def sample(
         self, n: int, beta: float, timeout: Optional[float] = None
@@ -131,10 +117,7 @@ class TransitionReplay:
             "rows_inserted": self.rows_inserted,
             "rows_sampled": self.rows_sampled,
             "rows_evicted_unsampled": self.rows_evicted_unsampled,
-            "rows_refused": self.rows_refused,
-            "chunks": self.chunks,
-            "env_steps": self.env_steps,
-            "episodes": len(self.episode_returns),
+            **self.intake.stats(),
             **self.limiter.stats(),
         }
 

@@ -1,7 +1,10 @@
 """The env workload's scenario (seeds 001 and 003): environments, the sampler actors, the replay's
 rate limit and the learner. Frozen and validated once; each default written here only.
 
-The defaults are rl-zoo's tuned DQN for CartPole-v1 (rl-baselines3-zoo, hyperparams/dqn.yml):
+Two learners: ``dqn`` (off-policy, from a prioritized replay) and ``ppo`` (on-policy, from a
+staleness-gated queue, with V-trace's truncated importance weights for the policy lag).
+
+The DQN defaults are rl-zoo's tuned DQN for CartPole-v1 (rl-baselines3-zoo, hyperparams/dqn.yml):
 a 256x256 MLP, lr 2.3e-3, batches of 64, learning from 1,000 transitions, epsilon 1 -> 0.04
 over the first 16 % of 50,000 steps, and 128 gradient steps per 256 env steps, which is 32
 samples per inserted transition. Two changes, both from Ape-X (Horgan et al. 2018): 3-step
@@ -18,6 +21,7 @@ from core.model.config import ConfigError, RoleSpec, _Frozen, check_runs
 
 EnvMode = Literal["sync", "async"]
 ENV_MODES: tuple[str, ...] = ("sync", "async")
+LearnerKind = Literal["dqn", "ppo"]
 
 
 class EnvSpec(_Frozen):
@@ -32,7 +36,8 @@ class EnvSpec(_Frozen):
     send_every: int = Field(32, ge=1)
     """Vector steps between two chunks a sampler sends; a sampler also takes new weights only then."""
     n_step: int = Field(3, ge=1)
-    """Steps summed into one row's reward before bootstrapping (Ape-X uses 3)."""
+    """DQN: steps summed into one row's reward before bootstrapping (Ape-X uses 3). PPO sends
+    whole segments of ``send_every`` steps per environment instead."""
     gamma: float = Field(0.99, ge=0, le=1)
     """Discount."""
     env_steps: int = Field(50_000, ge=1)
@@ -70,6 +75,49 @@ class DQNSpec(_Frozen):
     """Async mode: minibatches the learner takes from the replay actor in one call, and whose
     priorities it sends back together; one round trip per this many updates, as Ape-X's learner
     prefetches. Sync mode takes one at a time."""
+
+
+class PPOSpec(_Frozen):
+    """The on-policy learner: PPO on V-trace targets (core/env/ppo.py). The defaults are rl-zoo's
+    tuned PPO for CartPole-v1 (rl-baselines3-zoo, hyperparams/ppo.yml: 8 envs x 32 steps, 20 epochs
+    of one 256-row minibatch, lr and clip range falling linearly to 0, GAE lambda 0.8) on
+    stable-baselines3's default policy (separate 64x64 tanh MLPs for policy and value)."""
+
+    hidden: tuple[int, ...] = (64, 64)
+    """Widths of the hidden layers, the same for the policy and the value network."""
+    lr: float = Field(1e-3, gt=0)
+    """Adam learning rate at the start."""
+    clip: float = Field(0.2, gt=0)
+    """PPO's clip range on the ratio to the learner's own policy at the batch's start."""
+    anneal: bool = True
+    """Lower the learning rate and the clip range linearly to 0 over ``env.env_steps``."""
+    epochs: int = Field(20, ge=1)
+    """Passes over each batch."""
+    minibatch: int = Field(256, ge=1)
+    """Rows per gradient step."""
+    gae_lambda: float = Field(0.8, ge=0, le=1)
+    """V-trace's lambda (the trace-cutting c is lambda x the truncated ratio); on-policy the
+    targets are GAE(lambda)'s."""
+    rho_bar: float = Field(1.0, gt=0)
+    """V-trace's truncation of the importance ratio in the TD errors (IMPALA uses 1)."""
+    c_bar: float = Field(1.0, gt=0)
+    """V-trace's truncation of the importance ratio in the trace (IMPALA uses 1)."""
+    vf_coef: float = Field(0.5, ge=0)
+    """Weight of the value loss."""
+    ent_coef: float = Field(0.0, ge=0)
+    """Weight of the entropy bonus."""
+    grad_clip: float = Field(0.5, gt=0)
+    """Global gradient-norm clip."""
+    log_std_init: float = 0.0
+    """Continuous actions: the Gaussian's log standard deviation at the start."""
+    chunks_per_batch: int = Field(1, ge=1)
+    """Sampler chunks (``env.envs_per_sampler`` x ``env.send_every`` steps each) in one batch."""
+    max_staleness: int = Field(1, ge=0)
+    """Async mode: a chunk acted by a version older than the learner's minus this is dropped, not
+    trained (counted)."""
+    queue_chunks: int = Field(1, ge=1)
+    """Async mode: places in the queue, for chunks queued or being collected; a sampler waits for
+    one before it acts. At least ``env.samplers`` lets every sampler act at once."""
 
 
 class ReplayLimitSpec(_Frozen):
@@ -123,16 +171,37 @@ class EnvScenario(_Frozen):
     and the learner actor run at once on Ray."""
     env: EnvSpec = EnvSpec()
     """Environments and samplers."""
+    learner: LearnerKind = "dqn"
+    """`dqn`: off-policy, samplers feed a prioritized replay; `ppo`: on-policy, samplers feed a
+    staleness-gated queue and each segment is trained once."""
     dqn: DQNSpec = DQNSpec()
-    """The learner."""
+    """The DQN learner (read when `learner` is dqn)."""
+    ppo: PPOSpec = PPOSpec()
+    """The PPO learner (read when `learner` is ppo)."""
     replay: ReplayLimitSpec = ReplayLimitSpec()
-    """The replay and its rate limit."""
+    """The DQN replay and its rate limit (read when `learner` is dqn)."""
     ray: EnvRaySpec = EnvRaySpec()
     """Async mode's Ray instance and actors."""
 
     @model_validator(mode="after")
     def _consistent(self) -> "EnvScenario":
         check_runs(self.modes, self.seeds, ENV_MODES)
+        if self.learner == "ppo":
+            p = self.ppo
+            if not p.hidden or min(p.hidden) < 1:
+                raise ConfigError("ppo.hidden", list(p.hidden), "every layer needs a width of at least 1", "e.g. [64, 64]")
+            if p.queue_chunks < p.chunks_per_batch:
+                raise ConfigError(
+                    "ppo.queue_chunks", p.queue_chunks, f"holds fewer chunks than one batch takes (ppo.chunks_per_batch = "
+                    f"{p.chunks_per_batch}), so the learner would wait forever", f"use at least {p.chunks_per_batch}",
+                )
+            rows = self.env.envs_per_sampler * self.env.send_every * p.chunks_per_batch
+            if p.minibatch > rows:
+                raise ConfigError(
+                    "ppo.minibatch", p.minibatch, f"is more rows than one batch holds ({rows}: env.envs_per_sampler x "
+                    "env.send_every x ppo.chunks_per_batch)", f"use at most {rows}",
+                )
+            return self
         d, r = self.dqn, self.replay
         if not d.hidden or min(d.hidden) < 1:
             raise ConfigError("dqn.hidden", list(d.hidden), "every layer needs a width of at least 1", "e.g. [256, 256]")

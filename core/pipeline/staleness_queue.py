@@ -16,6 +16,10 @@ from core.store.queue_journal import QueueJournal
 from ext.squeue import StalenessQueue
 
 
+class QueueClosed(RuntimeError):
+    """The queue was closed (the run is stopping) while a call waited, or before it was made."""
+
+
 class AsyncStalenessQueue:
     """Bounded, version-gated queue; items older than ``version - max_staleness`` are evicted.
 
@@ -43,6 +47,7 @@ class AsyncStalenessQueue:
         self._redeliver: deque = deque()
         self._base: Counter = Counter()  # counts carried over from before a restore
         self._down: Optional[asyncio.Event] = None  # set once a dead queue is back
+        self._closed = False
         if journal is not None:
             self.put_nowait = self._put_journaled
 
@@ -78,6 +83,7 @@ class AsyncStalenessQueue:
         loop = asyncio.get_running_loop()
         await self._up()
         while len(self._q) >= self._q.capacity:
+            self._check_open()
             fut = loop.create_future()
             self._putters.append(fut)
             try:
@@ -89,6 +95,7 @@ class AsyncStalenessQueue:
                     self._putters.remove(fut)
                 except ValueError:
                     pass
+        self._check_open()
         return self.put_nowait(item, version)
 
     async def get_batch(self, n: int, timeout: Optional[float] = None) -> list:
@@ -98,6 +105,7 @@ class AsyncStalenessQueue:
             raise RuntimeError("AsyncStalenessQueue has one consumer; a second get_batch is already waiting")
         await self._up()
         while len(self._redeliver) + len(self._q) < n:
+            self._check_open()
             q, k = self._q, n - len(self._redeliver)
             fut = asyncio.get_running_loop().create_future()
             self._getter = fut
@@ -115,6 +123,19 @@ class AsyncStalenessQueue:
             self._wake_putters()
         self._delivered(items)
         return items
+
+    def close(self) -> None:
+        """Refuse every call from now on, and release the ones waiting with ``QueueClosed``: the
+        run is stopping, and a producer or consumer must not wait for a partner that is gone."""
+        self._closed = True
+        waiting = [*self._putters, *([self._getter] if self._getter is not None else [])]
+        for fut in waiting:
+            if not fut.done():
+                fut.set_exception(QueueClosed("the queue was closed"))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise QueueClosed("the queue was closed")
 
     def _delivered(self, items: list) -> None:
         if self.durable:

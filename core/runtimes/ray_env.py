@@ -1,18 +1,19 @@
-"""The env pipeline in async mode on Ray (seeds 001 and 003): sampler actors, the replay actor
+"""The env pipeline in async mode on Ray (seeds 001 and 003): sampler actors, the store actor
 and the learner actor, all at once.
 
-    SamplerActor x env.samplers ── TransitionChunk (one codec record) ──► ReplayActor
-         ▲   (envs + policy forward on CPU)                               (TransitionReplay,
-         │                                                                 RateLimiter)
-         │  ObjectRef of the weights: one ray.put per version,                │ dqn.batches_per_call
-         └─ offered to every sampler, fetched at its next chunk ◄── LearnerActor ◄┘ batches, priorities back
+    SamplerActor x env.samplers ── TransitionChunk (one codec record) ──► StoreActor
+         ▲   (envs + policy forward on CPU)                               dqn: TransitionReplay + RateLimiter
+         │                                                                ppo: SegmentQueue (version gate)
+         │  ObjectRef of the weights: one ray.put per version,                │ dqn: batches_per_call minibatches
+         └─ offered to every sampler, fetched at its next chunk ◄── LearnerActor ◄┘ ppo: chunks_per_batch chunks
 
-    driver: polls the replay's env steps, launches evaluations as remote tasks on the newest
+    driver: polls the store's env steps, launches evaluations as remote tasks on the newest
             weights and collects them with ray.wait(..., timeout=...); stops the run at the
             target return or the env-step budget.
 
-Each part is built by ``core/env/wiring.py``, as in sync mode. The rate limiter holds samples
-per insert whichever side is faster, and the replay reports how long each side waited.
+Each part is built by ``core/env/wiring.py``, as in sync mode. DQN's rate limiter holds samples
+per insert whichever side is faster; PPO's bounded queue holds the samplers back when the
+learner is slower. Either store reports how long each side waited.
 Evaluations run beside training on the same cores (num_cpus 0); their cost is part of what async
 mode pays here, where sync mode stops its clock while it evaluates.
 """
@@ -29,11 +30,12 @@ import ray
 import torch
 
 from core.env.evaluation import episode_returns
-from core.env.rate_limiter import LimiterClosed
+from core.env.segment_queue import SegmentQueue, batch_columns
 from core.env.sync_loop import EnvCurve
 from core.env.transition_replay import TransitionReplay
 from core.env.wiring import EVAL_SEED, beta_at, learner_threads, make_learner, make_policy, make_sampler, replay_args
 from core.model.env_config import EnvScenario
+from core.pipeline.staleness_queue import QueueClosed
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +45,16 @@ class PlacementError(ValueError):
 
 
 class SamplerHost:
-    """One sampler actor: its environments and policy. Sends chunks to the replay; takes the
+    """One sampler actor: its environments and policy. Sends chunks to the store; takes the
     newest offered weights between two chunks, skipping versions it never needed."""
 
     def __init__(self, sc: EnvScenario, seed: int, sampler_id: int) -> None:
         torch.set_num_threads(max(1, int(sc.ray.sampler.num_cpus)))
+        self.sc = sc
         self.policy = make_policy(sc, seed, sampler_id)
         self.sampler = make_sampler(sc, seed, sampler_id, self.policy)
         self._offer: Optional[tuple[int, list]] = None
+        self._offered = asyncio.Event()
         self._stop = False
         self.weights_fetched = 0
         self.rows = 0
@@ -60,27 +64,42 @@ class SamplerHost:
         the sampler fetches the weights only if it still needs them when its chunk is done."""
         if self._offer is None or version > self._offer[0]:
             self._offer = (version, refs)
+            self._offered.set()
 
     def stop(self) -> None:
         self._stop = True
+        self._offered.set()
 
-    async def run(self, replay, env_steps: int) -> dict:
-        """Collect until ``env_steps`` of this sampler's own, a stop, or the replay's close."""
+    async def run(self, store, env_steps: int) -> dict:
+        """Collect until ``env_steps`` of this sampler's own, a stop, or the store's close."""
         closed = False
+        reserve = self.sc.learner == "ppo"  # PPO's queue admits a chunk before it is acted
         while self.sampler.env_steps < env_steps and not self._stop:
-            await self._take_weights()
+            newest = 0
+            try:
+                if reserve:
+                    newest = await store.reserve.remote()
+            except QueueClosed:
+                closed = True
+                break
+            await self._take_weights(newest)
             chunk = self.sampler.collect()
             self.rows += len(chunk)
             try:
-                await replay.insert_chunk.remote(chunk)
-            except LimiterClosed:
+                await store.insert_chunk.remote(chunk)
+            except QueueClosed:
                 closed = True
                 break
         self.sampler.close()
         return {"env_steps": self.sampler.env_steps, "chunks": self.sampler.chunks, "rows": self.rows,
                 "weights_fetched": self.weights_fetched, "closed": closed}
 
-    async def _take_weights(self) -> None:
+    async def _take_weights(self, at_least: int = 0) -> None:
+        """Take the newest offered weights; first wait for version ``at_least`` to be offered (the
+        learner announced it to the queue just before the offer reached this sampler)."""
+        while (self._offer[0] if self._offer is not None else -1) < at_least and not self._stop:
+            self._offered.clear()
+            await self._offered.wait()
         if self._offer is None or self._offer[0] <= self.policy.version:
             return
         version, (ref,) = self._offer
@@ -89,8 +108,10 @@ class SamplerHost:
 
 
 class LearnerHost:
-    """The learner actor: samples ``dqn.batches_per_call`` batches per call, updates on each, sends
-    their priorities back in one call, and publishes weights every ``dqn.publish_every`` updates."""
+    """The learner actor. DQN: samples ``dqn.batches_per_call`` batches per call, updates on each,
+    sends their priorities back in one call, and publishes weights every ``dqn.publish_every``
+    updates. PPO: takes ``ppo.chunks_per_batch`` chunks per call, trains on them, and publishes
+    weights after each batch."""
 
     def __init__(self, sc: EnvScenario, seed: int) -> None:
         torch.set_num_threads(learner_threads(sc))
@@ -104,6 +125,8 @@ class LearnerHost:
         self.update_s = self.sample_wait_s = 0.0
         self._latest: list = []
         self._samplers: list = []
+        self.trained_chunks = 0
+        self.figures: list[dict] = []
 
     def publish(self, samplers: list) -> int:
         """Put the weights in the object store once and offer that reference to every sampler."""
@@ -118,7 +141,53 @@ class LearnerHost:
         """(version, [ObjectRef]) of the newest published weights."""
         return self.version, self._latest
 
-    async def run(self, replay) -> dict:
+    async def run(self, store) -> dict:
+        """Learn until the store closes."""
+        if self.sc.learner == "ppo":
+            await self._run_ppo(store)
+        else:
+            await self._run_dqn(store)
+        out = {"updates": self.updates, "versions": self.version, "policy_lag": self.policy_lag,
+               "update_s": self.update_s, "sample_wait_s": self.sample_wait_s, "trained_chunks": self.trained_chunks}
+        if self.figures:
+            out["figures"] = {k: float(np.mean([f[k] for f in self.figures])) for k in self.figures[0]}
+        return out
+
+    async def _run_ppo(self, queue) -> None:
+        """Unlike DQN's, the next batch is not asked for ahead: taking chunks frees their places,
+        and a sampler should take the weights published just before (one version of lag, not
+        two). A chunk that has grown too stale by the time the learner reaches it is dropped
+        (the queue counts it)."""
+        p = self.sc.ppo
+        clock = time.perf_counter
+        env_steps = 0  # env steps of every chunk taken: the anneal schedule's clock
+        told: list = []
+        while True:
+            t0 = clock()
+            try:
+                chunks = await queue.get_batch.remote(p.chunks_per_batch)
+            except QueueClosed:
+                break
+            t1 = clock()
+            self.sample_wait_s += t1 - t0
+            env_steps += sum(c.env_steps for c in chunks)
+            fresh = [c for c in chunks if self.version - int(c.version[0]) <= p.max_staleness]
+            if len(fresh) < len(chunks):
+                told.append(queue.dropped_at_learner.remote(len(chunks) - len(fresh)))
+            if not fresh:
+                continue
+            figs = self.learner.learn(batch_columns(fresh), env_steps)
+            self.policy_lag.extend(float(self.version - int(c.version[0])) for c in fresh)
+            self.updates += figs["updates"]
+            self.trained_chunks += len(fresh)
+            self.figures.append({k: figs[k] for k in ("rho_mean", "rho_truncated", "clip_frac", "approx_kl")})
+            self.version += 1
+            self.publish(self._samplers)
+            told.append(queue.set_version.remote(self.version))
+            self.update_s += clock() - t1
+        await asyncio.gather(*told)  # the queue's counts are complete before the driver reads them
+
+    async def _run_dqn(self, replay) -> None:
         """Learn until the replay closes. The next sample call is in flight while the learner
         updates on the current one, and priorities go back without waiting for an answer (the
         next call's answer checks the previous one's), so a learner the rate limit does not hold
@@ -135,7 +204,7 @@ class LearnerHost:
             t0 = clock()
             try:
                 rows, slots, weights = await incoming
-            except LimiterClosed:
+            except QueueClosed:
                 break
             incoming = replay.sample.remote(k * b, beta())
             if sent is not None:
@@ -155,8 +224,6 @@ class LearnerHost:
             sent = replay.update_priorities.remote(slots, prio)
         if sent is not None:
             await sent
-        return {"updates": self.updates, "versions": self.version, "policy_lag": self.policy_lag,
-                "update_s": self.update_s, "sample_wait_s": self.sample_wait_s}
 
 
 def evaluate_weights(sc: EnvScenario, seed: int, weights: dict[str, np.ndarray], episodes: int, part: int) -> np.ndarray:
@@ -174,10 +241,12 @@ def run_async(sc: EnvScenario, seed: int, *, stop_at_target: bool = True, eval_t
     """One async run on the Ray instance this process is connected to."""
     e = sc.env
     check_fits(sc)
-    args, kwargs = replay_args(sc, seed)
-    replay = ray.remote(TransitionReplay).options(
-        num_cpus=sc.ray.replay.num_cpus, max_concurrency=sc.ray.replay.max_concurrency,
-    ).remote(*args, **kwargs)
+    store_options = {"num_cpus": sc.ray.replay.num_cpus, "max_concurrency": sc.ray.replay.max_concurrency}
+    if sc.learner == "ppo":
+        store = ray.remote(SegmentQueue).options(**store_options).remote(sc.ppo.queue_chunks, sc.ppo.max_staleness)
+    else:
+        args, kwargs = replay_args(sc, seed)
+        store = ray.remote(TransitionReplay).options(**store_options).remote(*args, **kwargs)
     samplers = [
         ray.remote(SamplerHost).options(num_cpus=sc.ray.sampler.num_cpus, max_concurrency=sc.ray.sampler.max_concurrency)
         .remote(sc, seed, i) for i in range(e.samplers)
@@ -185,14 +254,14 @@ def run_async(sc: EnvScenario, seed: int, *, stop_at_target: bool = True, eval_t
     learner = ray.remote(LearnerHost).options(
         num_cpus=sc.ray.learner.num_cpus, max_concurrency=sc.ray.learner.max_concurrency,
     ).remote(sc, seed)
-    actors = [replay, learner, *samplers]
+    actors = [store, learner, *samplers]
     curve = EnvCurve()
     try:
         ray.get(learner.publish.remote(samplers))  # version 0 reaches every sampler before it acts
         t0 = time.perf_counter()
         per_sampler = -(-e.env_steps // e.samplers)
-        runs = [s.run.remote(replay, per_sampler) for s in samplers]
-        learning = learner.run.remote(replay)
+        runs = [s.run.remote(store, per_sampler) for s in samplers]
+        learning = learner.run.remote(store)
         evals: dict[Any, tuple[int, float]] = {}  # task group -> (env steps, wall s when the weights were taken)
         pending: dict[int, list] = {}
         next_eval = e.eval_every
@@ -204,7 +273,7 @@ def run_async(sc: EnvScenario, seed: int, *, stop_at_target: bool = True, eval_t
                 # samplers would wait on the rate limit for ever. Raise it now.
                 ray.get(learning)
                 raise RuntimeError("the learner stopped before the samplers did")
-            steps = ray.get(replay.stats.remote())["env_steps"]
+            steps = ray.get(store.stats.remote())["env_steps"]
             if steps >= next_eval or len(done) == len(runs):
                 next_eval = (steps // e.eval_every + 1) * e.eval_every
                 _, (ref,) = ray.get(learner.latest.remote())
@@ -220,14 +289,17 @@ def run_async(sc: EnvScenario, seed: int, *, stop_at_target: bool = True, eval_t
                 break
         for s in samplers:
             s.stop.remote()
-        ray.get(replay.close.remote())  # releases a sampler or the learner waiting on the limiter
+        ray.get(store.close.remote())  # releases a sampler or the learner waiting on the store
         sampled = ray.get(runs)
         learned = ray.get(learning)
         curve.train_s = time.perf_counter() - t0
         _collect(pending, evals, curve, e.target_return, wait=True)
         curve.updates, curve.versions, curve.policy_lag = learned["updates"], learned["versions"], learned["policy_lag"]
         curve.learner = {k: learned[k] for k in ("update_s", "sample_wait_s")}
-        curve.replay = ray.get(replay.stats.remote())
+        curve.learner.update(learned.get("figures", {}))
+        curve.trained_chunks = learned["trained_chunks"]
+        curve.produced_chunks = sum(r["chunks"] for r in sampled)
+        curve.replay = ray.get(store.stats.remote())
         curve.replay["sampler_chunks"] = sum(r["chunks"] for r in sampled)
         curve.replay["sampler_env_steps"] = sum(r["env_steps"] for r in sampled)
         curve.replay["sampler_rows"] = sum(r["rows"] for r in sampled)

@@ -1,0 +1,196 @@
+"""PPO on V-trace targets: the on-policy learner of the env pipeline, for a learner that runs
+behind its samplers (IMPALA's setting), and the stochastic policy its samplers act with.
+
+A batch is whole segments: per environment, ``send_every`` consecutive steps acted by one
+behaviour policy mu (the version the sampler held). At the batch's start the learner's own
+policy is pi_prox; its ratio to mu is the policy lag's weight, truncated as V-trace does
+(Espeholt et al. 2018):
+
+    rho_t = min(rho_bar, pi_prox(a_t|x_t) / mu(a_t|x_t))      c_t = lambda * min(c_bar, pi_prox / mu)
+    delta_t = rho_t * (r_t + g_t V(x'_t) - V(x_t))            g_t = gamma, or 0 if x'_t is terminal
+    v_t - V(x_t) = delta_t + g_t c_t (v_{t+1} - V(x_{t+1}))    cut at an episode's end and at the segment's
+
+x'_t is the observation after step t: at a time-limit truncation the final observation, so a
+truncated episode bootstraps and only a termination ends the return. The targets v_t train the
+value; the advantage ``v_t - V(x_t)`` trains the policy with PPO's clipped ratio to pi_prox, the
+decoupled objective of Hilton et al. 2021 (AReaL uses it for the same lag): clipping to the
+proximal policy keeps each step small, and the importance weight to mu sits in the advantage,
+where V-trace truncated it.
+
+With no lag (sync mode) pi_prox = mu, every rho and c/lambda is 1, and the targets and
+advantages are GAE(lambda)'s: the learner is stable-baselines3's PPO.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from core.env.dqn import load_into, weights_of
+from core.model.env_config import PPOSpec
+
+
+class ActorCritic(nn.Module):
+    """Separate MLPs (tanh) for the policy and the value, as stable-baselines3's default policy;
+    a categorical head for discrete actions, a diagonal Gaussian with a learned log std for
+    continuous ones."""
+
+    def __init__(self, obs_dim: int, actions: int, discrete: bool, hidden: tuple[int, ...], log_std_init: float) -> None:
+        super().__init__()
+        self.discrete = discrete
+        self.pi = _mlp(obs_dim, hidden, actions, head_gain=0.01)
+        self.vf = _mlp(obs_dim, hidden, 1, head_gain=1.0)
+        if not discrete:
+            self.log_std = nn.Parameter(torch.full((actions,), float(log_std_init)))
+
+    def dist(self, obs: torch.Tensor) -> torch.distributions.Distribution:
+        out = self.pi(obs)
+        if self.discrete:
+            return torch.distributions.Categorical(logits=out)
+        return torch.distributions.Independent(torch.distributions.Normal(out, self.log_std.exp().expand_as(out)), 1)
+
+    def value(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.vf(obs).squeeze(-1)
+
+    def mode(self, obs: torch.Tensor) -> torch.Tensor:
+        out = self.pi(obs)
+        return out.argmax(-1) if self.discrete else out
+
+
+def _mlp(inp: int, hidden: tuple[int, ...], out: int, head_gain: float) -> nn.Sequential:
+    # Orthogonal initialisation with a small policy head, as stable-baselines3 and the PPO
+    # implementation-details study (Huang et al. 2022) use: the first policy is near uniform.
+    layers: list[nn.Module] = []
+    width = inp
+    for h in hidden:
+        lin = nn.Linear(width, h)
+        nn.init.orthogonal_(lin.weight, np.sqrt(2))
+        nn.init.zeros_(lin.bias)
+        layers += [lin, nn.Tanh()]
+        width = h
+    head = nn.Linear(width, out)
+    nn.init.orthogonal_(head.weight, head_gain)
+    nn.init.zeros_(head.bias)
+    layers.append(head)
+    return nn.Sequential(*layers)
+
+
+class StochasticPolicy:
+    """Samples actions from a copy of the learner's policy; reports each action's log-probability."""
+
+    def __init__(self, net: ActorCritic, seed: int) -> None:
+        self.net = net
+        self.gen = torch.Generator().manual_seed(seed)
+        self.version = 0
+
+    def act(self, obs: np.ndarray, env_steps: int) -> tuple[np.ndarray, np.ndarray]:
+        with torch.no_grad():
+            d = self.net.dist(torch.as_tensor(obs, dtype=torch.float32))
+            a = _sample(d, self.gen)
+            return a.numpy(), d.log_prob(a).numpy().astype(np.float32)
+
+    def greedy(self, obs: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            return self.net.mode(torch.as_tensor(obs, dtype=torch.float32)).numpy()
+
+    def set_weights(self, weights: dict[str, np.ndarray], version: int) -> None:
+        load_into(self.net, weights)
+        self.version = version
+
+
+def _sample(d: torch.distributions.Distribution, gen: torch.Generator) -> torch.Tensor:
+    # Sampled with the policy's own generator, so a sampler's actions depend on its seed alone.
+    if isinstance(d, torch.distributions.Categorical):
+        return torch.multinomial(d.probs, 1, generator=gen).squeeze(-1)
+    base = d.base_dist
+    return base.loc + base.scale * torch.randn(base.loc.shape, generator=gen)
+
+
+def vtrace(
+    values: torch.Tensor, next_values: torch.Tensor, rewards: torch.Tensor, discounts: torch.Tensor,
+    ends: torch.Tensor, rhos: torch.Tensor, cs: torch.Tensor,
+) -> torch.Tensor:
+    """V-trace targets v_t for segments of shape (segments, steps); see the module docstring.
+    ``discounts``: gamma, or 0 after a termination; ``ends``: 1 where an episode ended (terminated
+    or truncated) at that step; ``rhos`` and ``cs`` already truncated (cs includes lambda)."""
+    deltas = rhos * (rewards + discounts * next_values - values)
+    carry = discounts * (1.0 - ends) * cs
+    acc = torch.zeros_like(values[:, 0])
+    out = torch.empty_like(values)
+    for t in range(values.shape[1] - 1, -1, -1):
+        acc = deltas[:, t] + carry[:, t] * acc
+        out[:, t] = values[:, t] + acc
+    return out
+
+
+class PPOLearner:
+    """Trains on batches of whole segments; one call of ``learn`` is one weight version."""
+
+    def __init__(
+        self, obs_dim: int, actions: int, discrete: bool, spec: PPOSpec, *, gamma: float, total_env_steps: int, seed: int,
+    ) -> None:
+        torch.manual_seed(seed)
+        self.spec = spec
+        self.gamma = gamma
+        self.total = total_env_steps
+        self.net = ActorCritic(obs_dim, actions, discrete, spec.hidden, spec.log_std_init)
+        self.opt = torch.optim.Adam(self.net.parameters(), lr=spec.lr, eps=1e-5)
+        self.gen = torch.Generator().manual_seed(seed + 1)
+        self.updates = 0
+
+    def weights(self) -> dict[str, np.ndarray]:
+        return weights_of(self.net)
+
+    def learn(self, cols: dict[str, np.ndarray], env_steps: int) -> dict:
+        """``ppo.epochs`` passes of minibatch steps over one batch of segments (columns shaped
+        (segments, steps, ...)); ``env_steps`` so far sets the annealed lr and clip range."""
+        p = self.spec
+        frac = max(0.0, 1.0 - env_steps / self.total) if p.anneal else 1.0
+        lr, clip = p.lr * frac, p.clip * frac
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        # Copies: columns from another process arrive as read-only views.
+        obs, nxt, act = (torch.tensor(np.asarray(cols[k])) for k in ("obs", "next_obs", "action"))
+        rew, term, ends, logp_mu = (torch.tensor(np.asarray(cols[k], dtype=np.float32)) for k in ("reward", "terminated", "ended", "logp"))
+        with torch.no_grad():
+            logp_prox = self.net.dist(obs).log_prob(act)
+            values, next_values = self.net.value(obs), self.net.value(nxt)
+            ratio = (logp_prox - logp_mu).exp()
+            rhos = ratio.clamp(max=p.rho_bar)
+            targets = vtrace(values, next_values, rew, self.gamma * (1.0 - term), ends, rhos, p.gae_lambda * ratio.clamp(max=p.c_bar))
+            adv = targets - values
+        flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
+        obs, act, logp_prox, adv, targets = map(flat, (obs, act, logp_prox, adv, targets))
+        n = len(adv)
+        figs = {"policy_loss": 0.0, "value_loss": 0.0, "entropy": 0.0, "clip_frac": 0.0, "approx_kl": 0.0}
+        steps = 0
+        for _ in range(p.epochs):
+            order = torch.randperm(n, generator=self.gen)
+            for start in range(0, n - p.minibatch + 1, p.minibatch):
+                idx = order[start:start + p.minibatch]
+                a = adv[idx]
+                a = (a - a.mean()) / (a.std() + 1e-8) if len(a) > 1 else a
+                d = self.net.dist(obs[idx])
+                logp = d.log_prob(act[idx])
+                r = (logp - logp_prox[idx]).exp()
+                pg = -torch.min(r * a, r.clamp(1.0 - clip, 1.0 + clip) * a).mean()
+                vl = ((self.net.value(obs[idx]) - targets[idx]) ** 2).mean()
+                ent = d.entropy().mean()
+                loss = pg + p.vf_coef * vl - p.ent_coef * ent
+                self.opt.zero_grad(set_to_none=True)
+                loss.backward()
+                nn.utils.clip_grad_norm_(self.net.parameters(), p.grad_clip)
+                self.opt.step()
+                with torch.no_grad():
+                    figs["policy_loss"] += float(pg)
+                    figs["value_loss"] += float(vl)
+                    figs["entropy"] += float(ent)
+                    figs["clip_frac"] += float(((r - 1.0).abs() > clip).float().mean())
+                    figs["approx_kl"] += float(((r - 1.0) - r.log()).mean())
+                steps += 1
+        self.updates += steps
+        out = {k: v / max(1, steps) for k, v in figs.items()}
+        out.update(updates=steps, lr=lr, rho_mean=float(ratio.mean()), rho_truncated=float((ratio > p.rho_bar).float().mean()))
+        return out
+
