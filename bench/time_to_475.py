@@ -1,9 +1,17 @@
 """Time to solve CartPole-v1 (mean greedy return >= 475 over 100 episodes): stable-baselines3's
-DQN beside asyncrl's DQN in sync and async mode, with the same settings, in one process run.
+DQN and PPO beside asyncrl's in sync and async mode, with the same settings, in one process run.
 
-    python bench/time_to_475.py [--seeds 0 1 2] [--json OUT.json]
+    python bench/time_to_475.py [--learners dqn ppo] [--seeds 0 1 2] [--json OUT.json]
 
-Every implementation gets rl-zoo's tuned CartPole DQN (hyperparams/dqn.yml: 256x256, lr
+asyncrl runs scenarios/cartpole-dqn.yaml and scenarios/cartpole-ppo.yaml, as a user would.
+
+PPO: every implementation gets rl-zoo's tuned CartPole PPO (hyperparams/ppo.yml: 8 envs x 32
+steps, 20 epochs of one 256-row minibatch, gamma 0.98, GAE lambda 0.8, lr 1e-3 and clip 0.2
+both falling linearly to 0 over 100,000 steps) on SB3's default policy (64x64 tanh, separate
+policy and value nets). asyncrl's async mode acts one version behind its learner and corrects
+with V-trace (docs/env.md).
+
+DQN: every implementation gets rl-zoo's tuned CartPole DQN (hyperparams/dqn.yml: 256x256, lr
 2.3e-3, batch 64, buffer 100k, learning from 1,000 transitions, 128 gradient steps per 256
 transitions, epsilon 1 -> 0.04 over 8,000 steps, the target net refreshed before each burst
 of updates) on 8 environments. Every implementation is evaluated with the same function
@@ -31,19 +39,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from core.env.evaluation import episode_returns  # noqa: E402
 from core.env.sync_loop import run_sync  # noqa: E402
 from core.env.wiring import EVAL_SEED  # noqa: E402
-from core.model.env_config import EnvScenario  # noqa: E402
 from core.runtimes.ray import start_cluster  # noqa: E402
 from core.runtimes.ray_env import run_async  # noqa: E402
+from harness.scenario import load  # noqa: E402
 
-ENVS, EVAL_EVERY, TARGET, BUDGET = 8, 5_000, 475.0, 50_000
+ROOT = Path(__file__).resolve().parent.parent
+ENVS, EVAL_EVERY, TARGET = 8, 5_000, 475.0
+BUDGET = {"dqn": 50_000, "ppo": 100_000}
 
 
-def sb3_dqn(seed: int) -> dict:
-    """SB3's DQN with the zoo's settings on 8 envs; train_freq counts vector steps, so 32 of them
-    are the zoo's 256 transitions."""
-    from stable_baselines3 import DQN
+def _timed(seed: int):
+    """An SB3 callback that evaluates every EVAL_EVERY env steps as asyncrl does, clock stopped."""
     from stable_baselines3.common.callbacks import BaseCallback
-    from stable_baselines3.common.env_util import make_vec_env
 
     class Timed(BaseCallback):
         def __init__(self) -> None:
@@ -65,6 +72,15 @@ def sb3_dqn(seed: int) -> dict:
             self.eval_s += time.perf_counter() - start
             return score < TARGET
 
+    return Timed()
+
+
+def sb3_dqn(seed: int) -> dict:
+    """SB3's DQN with the zoo's settings on 8 envs; train_freq counts vector steps, so 32 of them
+    are the zoo's 256 transitions."""
+    from stable_baselines3 import DQN
+    from stable_baselines3.common.env_util import make_vec_env
+
     env = make_vec_env("CartPole-v1", n_envs=ENVS, seed=seed)
     model = DQN(
         "MlpPolicy", env, learning_rate=2.3e-3, batch_size=64, buffer_size=100_000, learning_starts=1_000,
@@ -72,15 +88,31 @@ def sb3_dqn(seed: int) -> dict:
         exploration_fraction=0.16, exploration_final_eps=0.04, policy_kwargs={"net_arch": [256, 256]},
         seed=seed, verbose=0,
     )
-    cb = Timed()
-    model.learn(total_timesteps=BUDGET, callback=cb)
+    cb = _timed(seed)
+    model.learn(total_timesteps=BUDGET["dqn"], callback=cb)
     return _row("sb3 DQN", seed, cb.curve)
 
 
-def asyncrl(mode: str, seed: int) -> dict:
-    sc = EnvScenario()
+def sb3_ppo(seed: int) -> dict:
+    """SB3's PPO with the zoo's settings on 8 envs (n_steps counts vector steps: 32 x 8 = 256)."""
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.env_util import make_vec_env
+
+    env = make_vec_env("CartPole-v1", n_envs=ENVS, seed=seed)
+    model = PPO(
+        "MlpPolicy", env, n_steps=32, batch_size=256, n_epochs=20, gamma=0.98, gae_lambda=0.8, ent_coef=0.0,
+        learning_rate=lambda left: 1e-3 * left, clip_range=lambda left: 0.2 * left, seed=seed, verbose=0,
+    )
+    cb = _timed(seed)
+    model.learn(total_timesteps=BUDGET["ppo"], callback=cb)
+    return _row("sb3 PPO", seed, cb.curve)
+
+
+def asyncrl(learner: str, mode: str, seed: int) -> dict:
+    sc = load(ROOT / "scenarios" / f"cartpole-{learner}.yaml")
+    assert sc.env.env_steps == BUDGET[learner] and sc.env.eval_every == EVAL_EVERY
     curve = asyncio.run(run_sync(sc, seed)) if mode == "sync" else run_async(sc, seed)
-    return _row(f"asyncrl {mode}", seed, list(zip(curve.env_steps, curve.wall_s, curve.eval_return)))
+    return _row(f"asyncrl {learner.upper()} {mode}", seed, list(zip(curve.env_steps, curve.wall_s, curve.eval_return)))
 
 
 def _row(name: str, seed: int, curve: list[tuple[int, float, float]]) -> dict:
@@ -91,25 +123,28 @@ def _row(name: str, seed: int, curve: list[tuple[int, float, float]]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--learners", nargs="+", choices=("dqn", "ppo"), default=["dqn", "ppo"])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     start_cluster(None, None)
     rows = []
+    sb3 = {"dqn": sb3_dqn, "ppo": sb3_ppo}
     for seed in args.seeds:
-        for run in (lambda: sb3_dqn(seed), lambda: asyncrl("sync", seed), lambda: asyncrl("async", seed)):
-            torch.set_num_threads(1)  # every learner on one core, as asyncrl's learner actor is
-            rows.append(run())
-            r = rows[-1]
-            t = "not reached" if r["time_to_475_s"] is None else f"{r['time_to_475_s']:.1f} s, {r['env_steps_to_475']:,} env steps"
-            print(f"seed {seed}  {r['impl']:<14} {t}", flush=True)
+        for learner in args.learners:
+            for run in (lambda: sb3[learner](seed), lambda: asyncrl(learner, "sync", seed), lambda: asyncrl(learner, "async", seed)):
+                torch.set_num_threads(1)  # every learner on one core, as asyncrl's learner actor is
+                rows.append(run())
+                r = rows[-1]
+                t = "not reached" if r["time_to_475_s"] is None else f"{r['time_to_475_s']:.1f} s, {r['env_steps_to_475']:,} env steps"
+                print(f"seed {seed}  {r['impl']:<18} {t}", flush=True)
     print()
     for impl in dict.fromkeys(r["impl"] for r in rows):
         ts = [r["time_to_475_s"] for r in rows if r["impl"] == impl]
         got = [t for t in ts if t is not None]
         spread = f"{np.mean(got):.1f} s ({min(got):.1f}..{max(got):.1f})" if got else "-"
-        print(f"{impl:<14} reached {len(got)}/{len(ts)}  time to 475: {spread}")
+        print(f"{impl:<18} reached {len(got)}/{len(ts)}  time to 475: {spread}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 
