@@ -13,7 +13,6 @@ process, not of the machine (a checkpoint, fsynced, is what survives that).
 
 from __future__ import annotations
 
-import struct
 from collections import OrderedDict
 from pathlib import Path
 from typing import Iterable
@@ -21,11 +20,11 @@ from typing import Iterable
 import numpy as np
 
 from core.store.checkpoint import CheckpointError, write_atomic
+from core.store.journal_file import FRAME, JournalFile
 from core.model.group_wire import from_record, to_record
 from core.model.sample import Group
 from ext import codec
 
-FRAME = struct.Struct("<Q")
 OP_KIND = "asyncrl.queue_op/1"
 COUNTERS = ("put", "got", "evicted", "stale_on_put", "rejected_full")
 
@@ -43,15 +42,15 @@ class JournalState:
 
 class QueueJournal:
     def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "ab")
-        self.records = 0
+        self.file = JournalFile(path)
+        self.path = self.file.path
+
+    @property
+    def records(self) -> int:
+        return self.file.records
 
     def _append(self, data: bytes) -> None:
-        self._f.write(FRAME.pack(len(data)) + data)
-        self._f.flush()
-        self.records += 1
+        self.file.append(data)
 
     def put(self, group: Group) -> None:
         self._append(codec.encode(to_record(group)))
@@ -74,27 +73,17 @@ class QueueJournal:
             ids = np.fromiter((g.prompt_id for g in gs), np.int64)
             meta = {"kind": OP_KIND, "op": op, "version": int(version), **{f"c_{k}": int(counters[k]) for k in COUNTERS}}
             parts.append(codec.encode(codec.Sample(arrays={"ids": ids}, meta=meta)))
-        self._f.close()
         write_atomic(self.path, b"".join(FRAME.pack(len(p)) + p for p in parts))
-        self._f = open(self.path, "ab")
-        self.records = len(parts)
+        self.file.reopen()
+        self.file.records = len(parts)
 
     def close(self) -> None:
-        self._f.close()
+        self.file.close()
 
     def replay(self) -> JournalState:
         """Read the file back; a torn last record (a write the crash cut short) is ignored."""
-        self._f.flush()
-        data = memoryview(self.path.read_bytes())
         st = JournalState()
-        at, n = 0, len(data)
-        while at < n:
-            if n - at < FRAME.size:
-                break
-            (length,) = FRAME.unpack_from(data, at)
-            if length > n - at - FRAME.size:
-                break
-            body = data[at + FRAME.size : at + FRAME.size + length]
+        for at, body in self.file.read():
             try:
                 rec = codec.decode(body)
                 if "op" in rec.meta:
@@ -105,7 +94,6 @@ class QueueJournal:
                     st.counters["put"] += 1  # an op record after it carries the counts whole
             except (codec.CodecError, KeyError) as exc:
                 raise CheckpointError(str(self.path), f"journal record unreadable ({exc})", "start the run again", at) from None
-            at += FRAME.size + length
         return st
 
 
