@@ -73,11 +73,13 @@ def metrics(sc: EnvScenario, curve: EnvCurve) -> dict:
         "chunks_dropped_stale": dropped,
         "chunks_lost": curve.produced_chunks - accounted,
         "learner": curve.learner,
+        **{k: v for k, v in curve.faults.items() if k.startswith("faults/")},
+        "fault_records": curve.faults.get("records", []),
     }
 
 
-def run_one(sc: EnvScenario, mode: str, seed: int) -> EnvCurve:
-    return asyncio.run(run_sync(sc, seed)) if mode == "sync" else run_async(sc, seed)
+def run_one(sc: EnvScenario, mode: str, seed: int, workdir: Path) -> EnvCurve:
+    return asyncio.run(run_sync(sc, seed)) if mode == "sync" else run_async(sc, seed, workdir=workdir)
 
 
 def main(sc: EnvScenario, out: Path, console: Console, plots: bool) -> dict:
@@ -94,7 +96,7 @@ def main(sc: EnvScenario, out: Path, console: Console, plots: bool) -> dict:
                 check_fits(sc)  # before any mode runs
             for seed in sc.run_seeds():
                 for mode in sc.modes:
-                    curve = run_one(sc, mode, seed)
+                    curve = run_one(sc, mode, seed, staging)
                     m = metrics(sc, curve)
                     got = (f"reached {sc.env.target_return:g} after {m['time_to_target_s']:.1f} s, {m['env_steps_to_target']:,} env steps"
                            if m["reached_target"] else f"did not reach {sc.env.target_return:g}")

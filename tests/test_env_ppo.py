@@ -134,18 +134,19 @@ def test_the_segment_queue_accounts_for_every_chunk_and_gates_by_version():
 def test_a_sampler_reserves_a_place_before_it_acts_and_close_releases_every_waiter():
     async def go():
         q = SegmentQueue(capacity=1, max_staleness=4)
-        assert await q.reserve() == 0
-        second = asyncio.ensure_future(q.reserve())  # the one place is taken
+        assert await q.reserve(0) == 0
+        second = asyncio.ensure_future(q.reserve(1))  # the one place is taken
         await asyncio.sleep(0.01)
         assert not second.done()
         await q.insert_chunk(chunk(0, 0, version=0))
         await asyncio.sleep(0.01)
         assert not second.done()  # the place is now the queued chunk's
+        assert q.release(0) == 0  # sampler 0 holds none now
         q.set_version(1)
         assert [c.seq for c in await q.get_batch(1)] == [0]
         assert await asyncio.wait_for(second, 1) == 1  # the learner's newest version comes with the place
         getter = asyncio.ensure_future(q.get_batch(1))
-        third = asyncio.ensure_future(q.reserve())
+        third = asyncio.ensure_future(q.reserve(0))
         await asyncio.sleep(0.01)
         q.close()
         for fut in (getter, third):

@@ -45,12 +45,16 @@ def test_a_run_the_cluster_cannot_place_is_refused_before_it_starts(ray_session)
 
 
 def test_async_ppo_trains_each_chunk_once_within_its_staleness_and_accounts_for_the_rest(ray_session):
+    """With a sampler killed mid-run: its restart resumes at its next chunk, and frees the place
+    in the queue it held while it was collecting the chunk that died with it."""
     sc = with_changes(EnvScenario(), {
         "learner": "ppo", "env.env_steps": 4_000, "env.samplers": 2, "env.eval_every": 2_000, "env.eval_episodes": 10,
         "ppo.epochs": 2, "ppo.queue_chunks": 2, "ray.sampler.num_cpus": 0.5,
+        "faults": [{"target": "sampler", "sampler": 1, "at_env_steps": 1_000}],
     })
     curve = run_async(sc, seed=0, stop_at_target=False)
     st = curve.replay
+    assert st["sampler_restarts"] == [0, 1] and curve.faults["faults/recovered"] == 1
     dropped = st["stale_on_arrival"] + st["evicted_stale"] + st["stale_at_learner"]
     # The ledger: every chunk a sampler sent arrived, and was trained once, dropped as stale,
     # refused at close or left queued at the end.
@@ -62,3 +66,21 @@ def test_async_ppo_trains_each_chunk_once_within_its_staleness_and_accounts_for_
     assert curve.updates == curve.trained_chunks * 2 and all(n >= 1 for n in st["weights_fetched"])
     # V-trace's figures came back from the learner.
     assert 0.5 < curve.learner["rho_mean"] < 2.0 and 0.0 <= curve.learner["rho_truncated"] <= 1.0
+
+
+def test_killing_a_sampler_and_the_replay_mid_run_loses_no_chunk(ray_session):
+    """A sampler actor and the (journaled) replay actor are killed; Ray restarts both. The run
+    finishes, and every chunk the samplers produced is in the replay's count, taken once."""
+    sc = with_changes(EnvScenario(), {
+        **QUICK, "replay.durable": True,
+        "faults": [{"target": "sampler", "sampler": 0, "at_env_steps": 1_500}, {"target": "replay", "at_env_steps": 3_500}],
+    })
+    curve = run_async(sc, seed=0, stop_at_target=False)
+    st = curve.replay
+    assert curve.faults["faults/injected"] == curve.faults["faults/recovered"] == 2
+    assert st["sampler_restarts"] == [1, 0] and st["restored_chunks"] > 0
+    # The ledger: what the samplers produced (by their chunk numbers, across the restart) is what
+    # the replay took, no chunk missing (that raises) or taken twice (a resend is counted apart).
+    assert curve.produced_chunks == st["chunks"] == st["sampler_chunks"]
+    assert st["env_steps"] >= 6_000 and curve.updates > 0
+    assert st["rows_inserted"] == st["inserts"] and st["rows_sampled"] == st["samples"]

@@ -1,11 +1,17 @@
 """Where sampler chunks arrive, whichever store takes them (the DQN replay or the PPO queue):
 each sampler's chunks in order, and the counts a ledger of the run needs.
 
-A chunk is named by (sampler, seq). One that arrives out of order means one before it was lost
-or it came twice on the way; either is an error here, never a silent gap in the accounting.
+A chunk is named by (sampler, seq). One that arrives ahead of its turn means one before it was
+lost: an error here, never a silent gap in the accounting. One that arrives again (its sampler
+never heard back, from a store that crashed after taking it) is counted as resent and not
+taken twice.
 """
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Iterator
 
 from core.model.transition_wire import TransitionChunk
 
@@ -23,19 +29,45 @@ class ChunkIntake:
         self.env_steps = 0
         self.rows_refused = 0
         self.chunks_refused = 0
+        self.chunks_resent = 0
         self.episode_returns: list[float] = []
         self._next_seq: dict[int, int] = {}
+        self._steps_of: dict[int, int] = {}
+        self._taking: dict[int, asyncio.Event] = {}  # samplers whose chunk is being taken now
 
-    def check(self, chunk: TransitionChunk) -> None:
-        """Raise ``ChunkAccountingError`` unless ``chunk`` is its sampler's next."""
+    def check(self, chunk: TransitionChunk) -> bool:
+        """True if ``chunk`` is its sampler's next; False if it was taken before (counted as
+        resent); ``ChunkAccountingError`` if one before it never arrived."""
         want = self._next_seq.get(chunk.sampler, 0)
+        if chunk.seq < want:
+            self.chunks_resent += 1
+            return False
         if chunk.seq != want:
             raise ChunkAccountingError(f"sampler {chunk.sampler}: chunk {chunk.seq} arrived where chunk {want} was due")
+        return True
+
+    @contextlib.contextmanager
+    def taking(self, sampler: int) -> Iterator[None]:
+        """Around a store's handling of one chunk of ``sampler`` (which may wait for room)."""
+        done = self._taking[sampler] = asyncio.Event()
+        try:
+            yield
+        finally:
+            del self._taking[sampler]
+            done.set()
+
+    async def resume_point(self, sampler: int) -> tuple[int, int]:
+        """(next seq, env steps taken) of ``sampler``, once a chunk of it still being taken is
+        in or refused: a sampler that died after sending it must resume after it, not at it."""
+        while sampler in self._taking:
+            await self._taking[sampler].wait()
+        return self._next_seq.get(sampler, 0), self._steps_of.get(sampler, 0)
 
     def arrived(self, chunk: TransitionChunk, refused: bool = False) -> None:
         self._next_seq[chunk.sampler] = chunk.seq + 1
         self.chunks += 1
         self.env_steps += chunk.env_steps
+        self._steps_of[chunk.sampler] = self._steps_of.get(chunk.sampler, 0) + chunk.env_steps
         self.episode_returns.extend(float(x) for x in chunk.episode_returns)
         if refused:
             self.rows_refused += len(chunk)
@@ -46,6 +78,7 @@ class ChunkIntake:
             "chunks": self.chunks,
             "chunks_refused": self.chunks_refused,
             "rows_refused": self.rows_refused,
+            "chunks_resent": self.chunks_resent,
             "env_steps": self.env_steps,
             "episodes": len(self.episode_returns),
         }

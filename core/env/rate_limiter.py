@@ -116,6 +116,13 @@ class RateLimiter:
         self.samples += rows
         self._wake()
 
+    def restore(self, inserts: int, samples: int) -> None:
+        """Take the counts of a replay rebuilt from its journal (a restarted replay actor)."""
+        if inserts < 0 or samples < 0:
+            raise ValueError(f"inserts={inserts}, samples={samples}: counts cannot be negative")
+        self.inserts, self.samples = int(inserts), int(samples)
+        self._wake()
+
     def close(self) -> None:
         """Release every waiter with ``LimiterClosed``: the run is stopping."""
         self._closed = True

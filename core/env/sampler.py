@@ -204,5 +204,15 @@ class EnvSampler:
         self.chunks += 1
         return chunk
 
+    def resume(self, seq: int, env_steps: int, seed: int) -> None:
+        """Go on as a restarted sampler: its next chunk is ``seq``, ``env_steps`` are behind it
+        (schedules such as epsilon's continue from there), and its environments start new
+        episodes from ``seed`` (the episodes it was in died with its process)."""
+        self.chunks, self.env_steps = seq, env_steps
+        self.obs, _ = self.envs.reset(seed=seed)
+        self.envs.action_space.seed(seed)
+        self._ep_return[:] = 0.0
+        self._ep_len[:] = 0
+
     def close(self) -> None:
         self.envs.close()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 import asyncio
-from collections import deque
+from collections import Counter, deque
 from typing import Optional
 
 import numpy as np
@@ -46,29 +46,45 @@ class SegmentQueue:
         self.insert_blocked_s = 0.0
         self.sample_blocked_s = 0.0
         self.capacity = capacity
-        self._reserved = 0
+        self._held: Counter[int] = Counter()  # places reserved, per sampler
         self._waiting: deque[asyncio.Future] = deque()
         self._closed = False
 
     def __len__(self) -> int:
         return len(self.queue)
 
-    async def reserve(self) -> int:
-        """Wait for a place for the chunk a sampler is about to collect; ``QueueClosed`` once closed.
-        The place is the sampler's until its ``insert_chunk``. Returns the newest version the
-        learner announced: the sampler should act with it, not with an older one it holds."""
+    async def reserve(self, sampler: int) -> int:
+        """Wait for a place for the chunk ``sampler`` is about to collect; ``QueueClosed`` once
+        closed. The place is the sampler's until its ``insert_chunk`` (or ``release``). Returns
+        the newest version the learner announced: the sampler should act with it, not with an
+        older one it holds."""
         t0 = time.perf_counter()
         try:
-            while not self._closed and len(self.queue) + self._reserved >= self.capacity:
+            while not self._closed and len(self.queue) + sum(self._held.values()) >= self.capacity:
                 fut = asyncio.get_running_loop().create_future()
                 self._waiting.append(fut)
                 await fut
             if self._closed:
                 raise QueueClosed("the queue was closed")
-            self._reserved += 1
+            self._held[sampler] += 1
             return self.queue.version
         finally:
             self.insert_blocked_s += time.perf_counter() - t0
+
+    def release(self, sampler: int) -> int:
+        """Free the places ``sampler`` held: it died while collecting, and its restart starts
+        afresh. Returns how many."""
+        n = self._held.pop(sampler, 0)
+        if n:
+            self._room()
+        return n
+
+    def ping(self) -> int:
+        return self.intake.chunks
+
+    async def resume_point(self, sampler: int) -> tuple[int, int]:
+        """(next chunk seq, env steps taken) of ``sampler``: where a restarted sampler goes on."""
+        return await self.intake.resume_point(sampler)
 
     def _room(self) -> None:
         while self._waiting:
@@ -79,20 +95,23 @@ class SegmentQueue:
     async def insert_chunk(self, chunk: TransitionChunk, timeout: Optional[float] = None) -> int:
         """Queue a sampler's chunk once there is room; returns its rows (0 if it was already too
         stale to keep). Once closed, raises ``QueueClosed`` and counts the chunk as refused."""
-        self.intake.check(chunk)
+        if self._held[chunk.sampler]:
+            self._held[chunk.sampler] -= 1  # its place becomes the queued chunk's
+        if not self.intake.check(chunk):
+            self._room()
+            return 0
         if not len(chunk):
             raise ValueError(f"sampler {chunk.sampler}: chunk {chunk.seq} has no rows; a segment chunk has one per environment")
-        if self._reserved:
-            self._reserved -= 1  # its place becomes the queued chunk's
         t0 = time.perf_counter()
-        try:
-            kept = await self.queue.put(chunk, int(chunk.version[0]), timeout)
-        except QueueClosed:
-            self.intake.arrived(chunk, refused=True)
-            raise
-        finally:
-            self.insert_blocked_s += time.perf_counter() - t0
-        self.intake.arrived(chunk)
+        with self.intake.taking(chunk.sampler):
+            try:
+                kept = await self.queue.put(chunk, int(chunk.version[0]), timeout)
+            except QueueClosed:
+                self.intake.arrived(chunk, refused=True)
+                raise
+            finally:
+                self.insert_blocked_s += time.perf_counter() - t0
+            self.intake.arrived(chunk)
         if not kept:
             self.stale_on_arrival += 1
             self._room()

@@ -63,6 +63,8 @@ class EnvCurve:
     """Chunks the samplers sent: each must be in the store's counts (the ledger's identity)."""
     trained_chunks: int = 0
     """PPO: chunks trained (each once)."""
+    faults: dict = field(default_factory=dict)
+    """Async mode with faults: ``faults/*`` figures (injected, recovered, recovery times) and the records."""
 
     def first_reaching(self, target: float) -> Optional[int]:
         """Index of the first evaluation at or above ``target``."""

@@ -5,6 +5,11 @@ and send back new priorities. Each call is async and runs on one event loop, so 
 is the in-process replay and, wrapped by ``ray.remote``, the replay actor (Ray runs an async
 actor's calls on one loop, which is what ``ReplayBuffer`` needs: it is not thread-safe).
 
+With a journal (``replay.durable``) every chunk it takes is written ahead of its answer, and
+a replay actor restarted after a crash rebuilds its rows and counts from it
+(``core/store/transition_journal.py`` says what a restart cannot keep). A sampler that sends a
+chunk again because it never heard back finds it already taken, and is told so.
+
 It also keeps what a ledger needs of it: rows inserted, rows sampled (with repeats), and rows
 overwritten before they were ever sampled. The last are rows the samplers paid for and nobody
 learned from, the replay's waste. Chunks from samplers (``insert_chunk``) are counted per
@@ -14,13 +19,15 @@ rows refused because the run was stopping are counted apart.
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from pathlib import Path
+from typing import Mapping, Optional, Union
 
 import numpy as np
 
 from core.env.chunk_intake import ChunkAccountingError, ChunkIntake
 from core.env.rate_limiter import LimiterClosed, RateLimiter
 from core.model.transition_wire import TransitionChunk
+from core.store.transition_journal import ReplayJournalState, TransitionJournal
 from ext.replay import ReplayBuffer
 
 __all__ = ["ChunkAccountingError", "TransitionReplay"]
@@ -38,7 +45,9 @@ class TransitionReplay:
         prioritized: bool,
         alpha: float,
         seed: int,
+        journal: Union[str, Path, None] = None,
     ) -> None:
+        """``journal``: a file to write ahead to, and to rebuild from if it has records (a restart)."""
         if limiter.min_size_to_sample < limiter.max_sample:
             raise ValueError(
                 f"min_size_to_sample={limiter.min_size_to_sample} is fewer rows than one sample of max_sample="
@@ -57,6 +66,25 @@ class TransitionReplay:
         self.rows_sampled = 0
         self.rows_evicted_unsampled = 0
         self.intake = ChunkIntake()
+        self.restored_chunks = 0
+        self.journal: Optional[TransitionJournal] = None
+        if journal is not None:
+            j = TransitionJournal(Path(journal))
+            self._restore(j.read())
+            self.journal = j
+
+    def _restore(self, st: ReplayJournalState) -> None:
+        for chunk, refused in st.chunks:
+            if not refused and len(chunk):
+                slots = self.buffer.add({**chunk.columns, "version": chunk.version})
+                self._filled[slots] = True
+                self._sampled[slots] = 1  # unknown: counted as drawn (see the journal's docstring)
+                self.rows_inserted += len(chunk)
+            self.intake.arrived(chunk, refused=refused)
+        self.rows_sampled = st.rows_sampled
+        self.rows_evicted_unsampled = st.rows_evicted_unsampled
+        self.limiter.restore(self.rows_inserted, self.rows_sampled)
+        self.restored_chunks = len(st.chunks)
 
     def __len__(self) -> int:
         return len(self.buffer)
@@ -78,17 +106,26 @@ class TransitionReplay:
 
     async def insert_chunk(self, chunk: TransitionChunk, timeout: Optional[float] = None) -> int:
         """Store a sampler's chunk: its rows, with the version of each as a column. Returns the rows
-        stored. Once the replay is closed, raises ``LimiterClosed`` and counts the rows as refused;
-        after a timeout nothing is counted, and the sampler may send the same chunk again."""
-        self.intake.check(chunk)
-        try:
-            if len(chunk):
-                await self.insert({**chunk.columns, "version": chunk.version}, timeout)
-        except LimiterClosed:
-            self.intake.arrived(chunk, refused=True)
-            raise
-        self.intake.arrived(chunk)
+        stored, 0 for a chunk it already took (sent again after a crash). Once the replay is closed,
+        raises ``LimiterClosed`` and counts the rows as refused; after a timeout nothing is
+        counted, and the sampler may send the same chunk again."""
+        if not self.intake.check(chunk):
+            return 0
+        with self.intake.taking(chunk.sampler):
+            try:
+                if len(chunk):
+                    await self.insert({**chunk.columns, "version": chunk.version}, timeout)
+            except LimiterClosed:
+                self.intake.arrived(chunk, refused=True)
+                self._journal_chunk(chunk, refused=True)
+                raise
+            self.intake.arrived(chunk)
+            self._journal_chunk(chunk, refused=False)
         return len(chunk)
+
+    def _journal_chunk(self, chunk: TransitionChunk, refused: bool) -> None:
+        if self.journal is not None:
+            self.journal.stored(chunk, refused=refused, rows_evicted_unsampled=self.rows_evicted_unsampled)
 
     async def sample(
         self, n: int, beta: float, timeout: Optional[float] = None
@@ -99,6 +136,8 @@ class TransitionReplay:
         np.add.at(self._sampled, slots, 1)
         self.rows_sampled += n
         self.limiter.sampled(n)
+        if self.journal is not None:
+            self.journal.sampled(self.rows_sampled)
         return batch, slots, weights
 
     def update_priorities(self, slots: np.ndarray, priorities: np.ndarray) -> None:
@@ -111,12 +150,21 @@ class TransitionReplay:
         """Release the waiting samplers and learners: the run is stopping."""
         self.limiter.close()
 
+    def ping(self) -> int:
+        """Chunks taken so far, restored ones included: an answer means the replay serves."""
+        return self.intake.chunks
+
+    async def resume_point(self, sampler: int) -> tuple[int, int]:
+        """(next chunk seq, env steps taken) of ``sampler``: where a restarted sampler goes on."""
+        return await self.intake.resume_point(sampler)
+
     def stats(self) -> dict:
         return {
             "size": len(self.buffer),
             "rows_inserted": self.rows_inserted,
             "rows_sampled": self.rows_sampled,
             "rows_evicted_unsampled": self.rows_evicted_unsampled,
+            "restored_chunks": self.restored_chunks,
             **self.intake.stats(),
             **self.limiter.stats(),
         }

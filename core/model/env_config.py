@@ -135,6 +135,9 @@ class ReplayLimitSpec(_Frozen):
     """Rows sampled per row inserted, on average over the run."""
     min_size_to_sample: int = Field(1_000, ge=1)
     """Rows inserted before the first sample."""
+    durable: bool = False
+    """Async mode: journal every chunk the replay takes (to the run's directory), so that a replay
+    actor restarted after a crash rebuilds its rows and counts; priorities restart at the maximum."""
     error_buffer: float | None = Field(None, ge=0)
     """How far, in samples, the run may drift from the ratio before the side ahead waits. None: the
     smallest band that holds one chunk's insert and one sample, the tightest that cannot deadlock."""
@@ -152,7 +155,26 @@ class EnvRaySpec(_Frozen):
     learner: RoleSpec = RoleSpec(num_cpus=1.0, max_concurrency=4)
     """The learner actor."""
     replay: RoleSpec = RoleSpec(num_cpus=0.0, max_concurrency=64)
-    """The replay actor: bookkeeping and sampling, no network."""
+    """The store actor (DQN's replay, PPO's queue): bookkeeping and sampling, no network."""
+    max_restarts: int = Field(3, ge=0)
+    """Times Ray restarts a sampler or replay actor that died, per actor."""
+    recovery_timeout_s: float = Field(60.0, gt=0)
+    """How long a caller retries a restarting actor before the run fails with an error naming it."""
+
+
+class EnvFaultSpec(_Frozen):
+    """One injected fault of an async run: an actor's process killed once the run has taken
+    ``at_env_steps`` env steps. Ray restarts the actor (``ray.max_restarts``) and the run goes on."""
+
+    kind: Literal["kill"] = "kill"
+    """What happens: the actor's process ends."""
+    target: Literal["sampler", "replay"] = "sampler"
+    """A sampler actor (it resumes at its next chunk; the one it was collecting was never sent),
+    or the DQN replay actor (it rebuilds from its journal: needs `replay.durable`)."""
+    sampler: int = Field(0, ge=0)
+    """Which sampler, from 0."""
+    at_env_steps: int = Field(..., ge=1)
+    """When: the first poll of the driver that sees the store past this many env steps."""
 
 
 class EnvScenario(_Frozen):
@@ -182,10 +204,13 @@ class EnvScenario(_Frozen):
     """The DQN replay and its rate limit (read when `learner` is dqn)."""
     ray: EnvRaySpec = EnvRaySpec()
     """Async mode's Ray instance and actors."""
+    faults: tuple[EnvFaultSpec, ...] = ()
+    """Faults injected into async runs (a sync run has no actors to kill)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> "EnvScenario":
         check_runs(self.modes, self.seeds, ENV_MODES)
+        self._check_faults()
         if self.learner == "ppo":
             p = self.ppo
             if not p.hidden or min(p.hidden) < 1:
@@ -227,6 +252,23 @@ class EnvScenario(_Frozen):
                 f"use at least {need / 2:g}, or leave it out",
             )
         return self
+
+    def _check_faults(self) -> None:
+        if self.faults and "async" not in self.modes:
+            raise ConfigError("faults", "[...]", "faults are injected into async runs, and modes has none", "add async to modes, or remove faults")
+        for i, f in enumerate(self.faults):
+            key = f"faults.{i}"
+            if f.target == "sampler" and f.sampler >= self.env.samplers:
+                raise ConfigError(f"{key}.sampler", f.sampler, f"there are {self.env.samplers} samplers (env.samplers)",
+                                  f"use a sampler index below {self.env.samplers}")
+            if f.target == "replay" and self.learner != "dqn":
+                raise ConfigError(f"{key}.target", f.target, "PPO's queue is not journaled yet, so killing it would lose its chunks",
+                                  "kill a sampler, or use learner: dqn")
+            if f.target == "replay" and not self.replay.durable:
+                raise ConfigError(f"{key}.target", f.target, "a replay that is not journaled loses its rows when it dies",
+                                  "set replay.durable: true")
+            if self.ray.max_restarts < 1:
+                raise ConfigError("ray.max_restarts", self.ray.max_restarts, "a killed actor would not come back", "use at least 1")
 
     def max_chunk_rows(self) -> int:
         """The most rows one chunk carries: every env's steps, plus rows a finished episode releases."""

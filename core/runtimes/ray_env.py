@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
@@ -35,6 +37,8 @@ from core.env.sync_loop import EnvCurve
 from core.env.transition_replay import TransitionReplay
 from core.env.wiring import EVAL_SEED, beta_at, learner_threads, make_learner, make_policy, make_sampler, replay_args
 from core.model.env_config import EnvScenario
+from core.model.faults import FaultLog
+from core.model.owned import discard_owned, make_owned
 from core.pipeline.staleness_queue import QueueClosed
 
 log = logging.getLogger(__name__)
@@ -50,7 +54,7 @@ class SamplerHost:
 
     def __init__(self, sc: EnvScenario, seed: int, sampler_id: int) -> None:
         torch.set_num_threads(max(1, int(sc.ray.sampler.num_cpus)))
-        self.sc = sc
+        self.sc, self.seed = sc, seed
         self.policy = make_policy(sc, seed, sampler_id)
         self.sampler = make_sampler(sc, seed, sampler_id, self.policy)
         self._offer: Optional[tuple[int, list]] = None
@@ -58,6 +62,12 @@ class SamplerHost:
         self._stop = False
         self.weights_fetched = 0
         self.rows = 0
+        self.store_retries = 0
+
+    def resume(self, seq: int, env_steps: int, incarnation: int) -> None:
+        """This actor was restarted: go on at chunk ``seq`` with ``env_steps`` behind it."""
+        s = self.sampler
+        s.resume(seq, env_steps, seed=self.seed * 7919 + s.sampler_id + 104_729 * incarnation)
 
     def offer(self, version: int, refs: list) -> None:
         """``refs``: [ObjectRef of the weights], in a list so that Ray hands over the reference and
@@ -78,7 +88,7 @@ class SamplerHost:
             newest = 0
             try:
                 if reserve:
-                    newest = await store.reserve.remote()
+                    newest = await self._served(lambda: store.reserve.remote(self.sampler.sampler_id))
             except QueueClosed:
                 closed = True
                 break
@@ -86,13 +96,20 @@ class SamplerHost:
             chunk = self.sampler.collect()
             self.rows += len(chunk)
             try:
-                await store.insert_chunk.remote(chunk)
+                # Sent again while the store restarts: if it took the chunk before it died, it says so.
+                await self._served(lambda: store.insert_chunk.remote(chunk))
             except QueueClosed:
                 closed = True
                 break
         self.sampler.close()
         return {"env_steps": self.sampler.env_steps, "chunks": self.sampler.chunks, "rows": self.rows,
                 "weights_fetched": self.weights_fetched, "closed": closed}
+
+    async def _served(self, call):
+        return await served(call, self.sc.ray.recovery_timeout_s, self._retried)
+
+    def _retried(self) -> None:
+        self.store_retries += 1
 
     async def _take_weights(self, at_least: int = 0) -> None:
         """Take the newest offered weights; first wait for version ``at_least`` to be offered (the
@@ -127,6 +144,11 @@ class LearnerHost:
         self._samplers: list = []
         self.trained_chunks = 0
         self.figures: list[dict] = []
+        self.store_retries = 0
+        self.priority_updates_lost = 0  # sent to a replay that died before it applied them
+
+    def _retried(self) -> None:
+        self.store_retries += 1
 
     def publish(self, samplers: list) -> int:
         """Put the weights in the object store once and offer that reference to every sampler."""
@@ -148,7 +170,8 @@ class LearnerHost:
         else:
             await self._run_dqn(store)
         out = {"updates": self.updates, "versions": self.version, "policy_lag": self.policy_lag,
-               "update_s": self.update_s, "sample_wait_s": self.sample_wait_s, "trained_chunks": self.trained_chunks}
+               "update_s": self.update_s, "sample_wait_s": self.sample_wait_s, "trained_chunks": self.trained_chunks,
+               "store_retries": self.store_retries, "priority_updates_lost": self.priority_updates_lost}
         if self.figures:
             out["figures"] = {k: float(np.mean([f[k] for f in self.figures])) for k in self.figures[0]}
         return out
@@ -165,7 +188,7 @@ class LearnerHost:
         while True:
             t0 = clock()
             try:
-                chunks = await queue.get_batch.remote(p.chunks_per_batch)
+                chunks = await served(lambda: queue.get_batch.remote(p.chunks_per_batch), self.sc.ray.recovery_timeout_s, self._retried)
             except QueueClosed:
                 break
             t1 = clock()
@@ -198,17 +221,25 @@ class LearnerHost:
         env_steps_per_update = b / self.sc.replay.samples_per_insert
         clock = time.perf_counter
         beta = lambda: beta_at(self.sc, int(self.updates * env_steps_per_update))  # noqa: E731
-        incoming = replay.sample.remote(k * b, beta())
+        patience = self.sc.ray.recovery_timeout_s
+        draw = lambda: replay.sample.remote(k * b, beta())  # noqa: E731
+        incoming = draw()
         sent = None
         while True:
             t0 = clock()
             try:
-                rows, slots, weights = await incoming
+                try:
+                    rows, slots, weights = await incoming
+                except ray.exceptions.RayActorError:  # the replay died: draw again once it is back
+                    rows, slots, weights = await served(draw, patience, self._retried)
             except QueueClosed:
                 break
-            incoming = replay.sample.remote(k * b, beta())
+            incoming = draw()
             if sent is not None:
-                await sent  # answered long ago; raises here if the replay refused the priorities
+                try:
+                    await sent  # answered long ago; raises here if the replay refused the priorities
+                except ray.exceptions.RayActorError:
+                    self.priority_updates_lost += 1
             t1 = clock()
             self.sample_wait_s += t1 - t0
             prio = np.empty(k * b, np.float64)
@@ -223,7 +254,10 @@ class LearnerHost:
             self.update_s += clock() - t1
             sent = replay.update_priorities.remote(slots, prio)
         if sent is not None:
-            await sent
+            try:
+                await sent
+            except ray.exceptions.RayActorError:
+                self.priority_updates_lost += 1
 
 
 def evaluate_weights(sc: EnvScenario, seed: int, weights: dict[str, np.ndarray], episodes: int, part: int) -> np.ndarray:
@@ -237,25 +271,41 @@ def evaluate_weights(sc: EnvScenario, seed: int, weights: dict[str, np.ndarray],
 _evaluate = ray.remote(num_cpus=0)(evaluate_weights)
 
 
-def run_async(sc: EnvScenario, seed: int, *, stop_at_target: bool = True, eval_tasks: int = 2, poll_s: float = 0.2) -> EnvCurve:
-    """One async run on the Ray instance this process is connected to."""
+def run_async(
+    sc: EnvScenario, seed: int, *, stop_at_target: bool = True, eval_tasks: int = 2, poll_s: float = 0.2,
+    workdir: Optional[Path] = None,
+) -> EnvCurve:
+    """One async run on the Ray instance this process is connected to. ``workdir``: where a
+    durable replay keeps its journal, in a directory asyncrl creates and removes (default: the
+    system's temporary directory)."""
     e = sc.env
     check_fits(sc)
+    journal_dir = None
     store_options = {"num_cpus": sc.ray.replay.num_cpus, "max_concurrency": sc.ray.replay.max_concurrency}
     if sc.learner == "ppo":
         store = ray.remote(SegmentQueue).options(**store_options).remote(sc.ppo.queue_chunks, sc.ppo.max_staleness)
     else:
         args, kwargs = replay_args(sc, seed)
+        if sc.replay.durable:
+            # Only a journaled replay is restarted: one without would come back empty, its rows lost.
+            journal_dir = make_owned(Path(workdir or tempfile.gettempdir()), ".asyncrl-replay-", JOURNAL_KIND)
+            kwargs["journal"] = str(journal_dir / "replay.journal")
+            store_options["max_restarts"] = sc.ray.max_restarts
         store = ray.remote(TransitionReplay).options(**store_options).remote(*args, **kwargs)
     samplers = [
-        ray.remote(SamplerHost).options(num_cpus=sc.ray.sampler.num_cpus, max_concurrency=sc.ray.sampler.max_concurrency)
-        .remote(sc, seed, i) for i in range(e.samplers)
+        ray.remote(SamplerHost).options(
+            num_cpus=sc.ray.sampler.num_cpus, max_concurrency=sc.ray.sampler.max_concurrency, max_restarts=sc.ray.max_restarts,
+        ).remote(sc, seed, i) for i in range(e.samplers)
     ]
     learner = ray.remote(LearnerHost).options(
         num_cpus=sc.ray.learner.num_cpus, max_concurrency=sc.ray.learner.max_concurrency,
     ).remote(sc, seed)
     actors = [store, learner, *samplers]
     curve = EnvCurve()
+    faults = FaultLog()
+    fired: set[int] = set()
+    patience = sc.ray.recovery_timeout_s
+    ppo = sc.learner == "ppo"
     try:
         ray.get(learner.publish.remote(samplers))  # version 0 reaches every sampler before it acts
         t0 = time.perf_counter()
@@ -265,15 +315,40 @@ def run_async(sc: EnvScenario, seed: int, *, stop_at_target: bool = True, eval_t
         evals: dict[Any, tuple[int, float]] = {}  # task group -> (env steps, wall s when the weights were taken)
         pending: dict[int, list] = {}
         next_eval = e.eval_every
-        reached = False
+        steps = 0
+        store_down_since: Optional[float] = None
+        restarts = [0] * e.samplers
         while True:
-            done, _ = ray.wait(runs, num_returns=len(runs), timeout=poll_s)
+            ray.wait(runs, num_returns=len(runs), timeout=poll_s)
             if ray.wait([learning], timeout=0)[0]:
                 # The learner ended while samplers still ran: only an error does that, and the
                 # samplers would wait on the rate limit for ever. Raise it now.
                 ray.get(learning)
                 raise RuntimeError("the learner stopped before the samplers did")
-            steps = ray.get(store.stats.remote())["env_steps"]
+            for i, ref in enumerate(runs):
+                if ray.wait([ref], timeout=0)[0] and _died(ref):
+                    restarts[i] += 1
+                    runs[i] = _restart_sampler(i, restarts[i], samplers[i], store, learner, per_sampler, patience, ppo)
+                    faults.recovered(f"sampler{i}", time.perf_counter() - t0)
+            done = ray.wait(runs, num_returns=len(runs), timeout=0)[0]
+            try:
+                steps = ray.get(store.stats.remote())["env_steps"]
+                if store_down_since is not None:
+                    faults.recovered("replay", time.perf_counter() - t0)
+                    store_down_since = None
+            except ray.exceptions.RayActorError:
+                now = time.perf_counter()
+                store_down_since = store_down_since or now
+                if now - store_down_since > patience:
+                    raise StoreLost(f"the replay actor has not answered for {patience:g} s after it died; fix: raise "
+                                    "ray.recovery_timeout_s if it only restarts slowly, or ray.max_restarts if it died again") from None
+                continue
+            for k, f in enumerate(sc.faults):
+                if k not in fired and steps >= f.at_env_steps:
+                    fired.add(k)
+                    target = f"sampler{f.sampler}" if f.target == "sampler" else "replay"
+                    faults.injected(f.kind, target, time.perf_counter() - t0)
+                    ray.kill(samplers[f.sampler] if f.target == "sampler" else store, no_restart=False)
             if steps >= next_eval or len(done) == len(runs):
                 next_eval = (steps // e.eval_every + 1) * e.eval_every
                 _, (ref,) = ray.get(learner.latest.remote())
@@ -289,26 +364,96 @@ def run_async(sc: EnvScenario, seed: int, *, stop_at_target: bool = True, eval_t
                 break
         for s in samplers:
             s.stop.remote()
-        ray.get(store.close.remote())  # releases a sampler or the learner waiting on the store
-        sampled = ray.get(runs)
+        _served(lambda: store.close.remote(), patience, "replay.close")  # releases a sampler or the learner waiting on the store
+        sampled = [_sampler_result(i, ref, samplers[i], restarts, store, learner, patience, ppo) for i, ref in enumerate(runs)]
         learned = ray.get(learning)
         curve.train_s = time.perf_counter() - t0
         _collect(pending, evals, curve, e.target_return, wait=True)
         curve.updates, curve.versions, curve.policy_lag = learned["updates"], learned["versions"], learned["policy_lag"]
-        curve.learner = {k: learned[k] for k in ("update_s", "sample_wait_s")}
+        curve.learner = {k: learned[k] for k in ("update_s", "sample_wait_s", "store_retries", "priority_updates_lost")}
         curve.learner.update(learned.get("figures", {}))
         curve.trained_chunks = learned["trained_chunks"]
         curve.produced_chunks = sum(r["chunks"] for r in sampled)
-        curve.replay = ray.get(store.stats.remote())
+        curve.replay = _served(lambda: store.stats.remote(), patience, "replay.stats")
         curve.replay["sampler_chunks"] = sum(r["chunks"] for r in sampled)
         curve.replay["sampler_env_steps"] = sum(r["env_steps"] for r in sampled)
         curve.replay["sampler_rows"] = sum(r["rows"] for r in sampled)
         curve.replay["weights_fetched"] = [r["weights_fetched"] for r in sampled]
+        curve.replay["sampler_restarts"] = restarts
         curve.episodes = curve.replay["episodes"]
+        curve.faults = {**faults.metrics(), "records": faults.state()}
         return curve
     finally:
         for a in actors:
             ray.kill(a)
+        if journal_dir is not None:
+            discard_owned(journal_dir, JOURNAL_KIND)
+
+
+JOURNAL_KIND = "replay-journal"
+
+
+class StoreLost(RuntimeError):
+    """A restarted actor did not answer within ``ray.recovery_timeout_s``."""
+
+
+def _died(ref) -> bool:
+    """A finished sampler run that raised because its actor died (not one that returned)."""
+    try:
+        ray.get(ref)
+        return False
+    except ray.exceptions.RayActorError:
+        return True
+
+
+async def served(call, patience: float, on_retry=None):
+    """Await ``call()``, called again while the actor behind it restarts, for ``patience`` s. What
+    the call raises otherwise (a store's close, a refusal) passes through."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            return await call()
+        except ray.exceptions.RayActorError:
+            if time.monotonic() > deadline:
+                raise StoreLost(f"no answer for {patience:g} s from an actor that died; fix: raise ray.recovery_timeout_s "
+                                "if it only restarts slowly, or ray.max_restarts if it died again") from None
+            if on_retry is not None:
+                on_retry()
+            await asyncio.sleep(0.05)
+
+
+def _served(call, patience: float, what: str):
+    """``ray.get(call())``, called again while the actor behind it restarts, for ``patience`` s."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            return ray.get(call())
+        except ray.exceptions.RayActorError:
+            if time.monotonic() > deadline:
+                raise StoreLost(f"{what}: no answer for {patience:g} s; fix: raise ray.recovery_timeout_s") from None
+            time.sleep(0.05)
+
+
+def _restart_sampler(i: int, incarnation: int, sampler, store, learner, per_sampler: int, patience: float, places: bool):
+    """A sampler actor died and Ray restarts it: it goes on at the chunk after the last one the
+    store took (once any it sent before dying is in), with the newest weights; its run again."""
+    seq, env_steps = _served(lambda: store.resume_point.remote(i), patience, "store.resume_point")
+    if places:  # PPO's queue: the places the dead sampler reserved are free again
+        _served(lambda: store.release.remote(i), patience, "store.release")
+    _served(lambda: sampler.resume.remote(seq, env_steps, incarnation), patience, f"sampler{i}.resume")
+    version, refs = ray.get(learner.latest.remote())
+    sampler.offer.remote(version, refs)
+    log.info("sampler %d restarted (incarnation %d): resumes at chunk %d, %d env steps", i, incarnation, seq, env_steps)
+    return sampler.run.remote(store, per_sampler)
+
+
+def _sampler_result(i, ref, sampler, restarts, store, learner, patience, ppo) -> dict:
+    """A sampler's final counts; one that died after the driver's last look is restarted once
+    more to report where the store left it (the run is over, so it collects nothing)."""
+    while _died(ref):
+        restarts[i] += 1
+        ref = _restart_sampler(i, restarts[i], sampler, store, learner, 0, patience, ppo)
+    return ray.get(ref)
 
 
 def check_fits(sc: EnvScenario) -> None:
