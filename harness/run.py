@@ -21,7 +21,9 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+import gymnasium as gym
 from rich.console import Console
+from rich.markup import escape
 from rich.logging import RichHandler
 
 from core.real.workers import apply_env
@@ -32,6 +34,7 @@ from core.runtimes.ray_env import PlacementError
 from core.runtimes.run_checkpoint import load_run, scenario_digest
 from core.store.checkpoint import CheckpointError
 from core.model.config import with_changes
+from core.env.wiring import env_space
 from core.model.env_config import EnvScenario
 from core.model.owned import discard_owned, is_owned, make_owned, remove_owned, replaceable, stamp
 from harness import report
@@ -90,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 _check_new_run(variants, out, args)
     except (ScenarioError, CheckpointError) as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
 
     if isinstance(variants[0].scenario, EnvScenario):
@@ -98,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             summary = env_run.main(sc, out, console, plots=not args.no_plots)
         except PlacementError as exc:  # what only the cluster can tell, before any actor starts
-            err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             return 2
         console.print(env_run.table(sc, summary))
         figures = [] if args.no_plots else [name for _, name, _ in RETURN_FIGURES]
@@ -179,6 +182,15 @@ def _check_env_run(variants: list[Variant], out: Path, args) -> None:
             raise ScenarioError(f"{flag}: not supported for an env scenario yet; fix: drop {flag}")
     if not replaceable(out, "run", "summary.json"):
         raise ScenarioError(f"--out {out}: exists and is not a run directory asyncrl created; fix: pass a new directory")
+    sc = variants[0].scenario
+    try:
+        env_space(sc)  # the environment is made once here, so a bad id is refused before anything runs
+    except ValueError as exc:  # one the wiring refused, with its fix
+        raise ScenarioError(str(exc)) from None
+    except (gym.error.Error, ImportError) as exc:
+        reason = " ".join(str(exc).split())
+        raise ScenarioError(f"env.id = {sc.env.id!r}: {reason}; fix: a gymnasium id with a vector observation, e.g. "
+                            "CartPole-v1 (MuJoCo ids such as HalfCheetah-v5 need: pip install -e '.[mujoco]')") from None
 
 
 def _resumable_run(sc, args) -> bool:

@@ -67,6 +67,8 @@ def test_a_ppo_scenario_runs_sync_and_its_ledger_balances(tmp_path):
     (["--set", "faults=[{target: replay, at_env_steps: 100}]"], "faults.0.target = 'replay': a replay that is not journaled"),
     (["--set", "faults=[{sampler: 1, at_env_steps: 100}]"], "faults.0.sampler = 1: there are 1 samplers"),
     (["--set", "modes=[sync]", "--set", "faults=[{at_env_steps: 100}]"], "faults are injected into async runs"),
+    (["--set", "env.id=Nope-v0"], "env.id = 'Nope-v0': Environment `Nope` doesn't exist."),
+    (["--set", "env.id=Pendulum-v1"], "env.id = 'Pendulum-v1': DQN needs discrete actions; fix: use learner: ppo"),
 ])
 def test_bad_env_input_is_one_line_and_exit_2_before_anything_runs(tmp_path, capsys, extra, needle):
     out = tmp_path / "run"

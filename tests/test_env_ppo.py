@@ -168,5 +168,5 @@ def test_bad_ppo_settings_name_the_key(changes, key):
 
 
 def test_dqn_refuses_continuous_actions():
-    with pytest.raises(ValueError, match="DQN needs discrete actions; use learner: ppo"):
+    with pytest.raises(ValueError, match="DQN needs discrete actions; fix: use learner: ppo"):
         env_space(with_changes(EnvScenario(), {"env.id": "Pendulum-v1"}))

@@ -47,7 +47,7 @@ def env_space(sc: EnvScenario) -> EnvSpace:
     """The scenario's environment's spaces, refused here if its learner cannot act in them."""
     space = _spaces(sc.env.id)
     if sc.learner == "dqn" and not space.discrete:
-        raise ValueError(f"env.id {sc.env.id!r}: DQN needs discrete actions; use learner: ppo for continuous ones")
+        raise ValueError(f"env.id = {sc.env.id!r}: DQN needs discrete actions; fix: use learner: ppo for continuous ones")
     return space
 
 
@@ -59,12 +59,12 @@ def _spaces(env_id: str) -> EnvSpace:
     try:
         obs, act = env.observation_space, env.action_space
         if len(obs.shape) != 1:
-            raise ValueError(f"env.id {env_id!r}: needs a vector observation, got {obs}")
+            raise ValueError(f"env.id = {env_id!r}: the networks need a vector observation, got {obs}; fix: a vector-observation env")
         if isinstance(act, gym.spaces.Discrete):
             return EnvSpace(int(obs.shape[0]), int(act.n), True)
         if isinstance(act, gym.spaces.Box) and len(act.shape) == 1:
             return EnvSpace(int(obs.shape[0]), int(act.shape[0]), False)
-        raise ValueError(f"env.id {env_id!r}: needs discrete actions or a vector of continuous ones, got {act}")
+        raise ValueError(f"env.id = {env_id!r}: needs discrete actions or a vector of continuous ones, got {act}; fix: another env")
     finally:
         env.close()
 
