@@ -343,6 +343,16 @@ def run_one(c: Config, env_steps: int, seed: int, collector) -> dict:
         "pipeline_cores": pipeline_cpu / train_s, "machine_cores": machine_cores,
         "loadavg_before": load0, "loadavg_after": loadavg(),
     }
+    return derive(row)
+
+
+def derive(row: dict) -> dict:
+    """Adds CPU microseconds per env step, per role and in all: what a configuration costs
+    whatever share of the cores the machine's other load left it."""
+    steps = row["env_steps"]
+    for role in ("sampler", "replay", "learner"):
+        row[f"{role}_cpu_us_per_step"] = 1e6 * row[f"{role}_cpu_s"] / steps
+    row["cpu_us_per_step"] = sum(row[f"{role}_cpu_us_per_step"] for role in ("sampler", "replay", "learner"))
     return row
 
 
@@ -362,6 +372,8 @@ def table_rows(rows: list[dict]) -> list[list[str]]:
             k[0], str(k[1]), str(k[2]), "every chunk" if k[3] else "new version",
             f"{d['mean']:,.0f}", f"{d['ratio']:.2f}x{spread}", f"{upd[k]['mean']:,.0f}", f"{m('chunks_per_s'):,.0f}",
             f"{m('insert_blocked_s'):.1f}", f"{m('sample_blocked_s'):.1f}", f"{fetched:.1f}", f"{m('policy_lag'):.2f}",
+            f"{m('cpu_us_per_step'):,.0f} ({m('sampler_cpu_us_per_step'):,.0f} / {m('replay_cpu_us_per_step'):,.0f} / "
+            f"{m('learner_cpu_us_per_step'):,.0f})",
             f"{m('pipeline_cores'):.2f}", f"{m('machine_cores'):.2f}",
         ])
     return out
@@ -369,7 +381,7 @@ def table_rows(rows: list[dict]) -> list[list[str]]:
 
 HEADER = ["rate limit", "send_every", "samplers", "weights fetched", "env steps/s", "ratio to baseline",
           "updates/s", "chunks/s", "sampler held back (s)", "learner held back (s)", "weights fetched per sampler",
-          "policy lag", "pipeline cores", "machine cores"]
+          "policy lag", "CPU µs per env step (samplers / replay / learner)", "pipeline cores", "machine cores"]
 
 
 def breakdown_rows(rows: list[dict]) -> list[list[str]]:
@@ -403,7 +415,16 @@ def markdown(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _band(env: dict, keys: list[tuple]) -> tuple[list[float], list[list[float]]]:
+    ys = [env[k]["mean"] for k in keys]
+    lo = [y - min(env[k]["values"]) for y, k in zip(ys, keys)]
+    hi = [max(env[k]["values"]) - y for y, k in zip(ys, keys)]
+    return ys, [lo, hi]
+
+
 def plot(rows: list[dict], alone: list[dict], path: Path) -> None:
+    """Four panels: env steps/s against send_every and against samplers (mean, min..max over
+    repeats), where one sampler's loop went, and the CPU each env step cost per role."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -413,64 +434,73 @@ def plot(rows: list[dict], alone: list[dict], path: Path) -> None:
 
     env = ratios(rows)
     colors = {"sampler-bound": MODE_COLORS["async"], "learner-bound": MODE_COLORS["sync"]}
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(14, 3.9))
+    fig, ((a, b), (c, d)) = plt.subplots(2, 2, figsize=(13, 8.5))
     for regime in REGIMES:
         for fetch, style in ((False, "o-"), (True, "s--")):
-            xs = [s for s in SEND_EVERY if (regime, s, 1, fetch) in env]
-            if not xs:
-                continue
-            ys = [env[(regime, s, 1, fetch)]["mean"] for s in xs]
-            lo = [min(env[(regime, s, 1, fetch)]["values"]) for s in xs]
-            hi = [max(env[(regime, s, 1, fetch)]["values"]) for s in xs]
-            label = f"{regime}" + (", weights fetched every chunk" if fetch else "")
-            a.errorbar(xs, ys, yerr=[np.subtract(ys, lo), np.subtract(hi, ys)], fmt=style, color=colors[regime], label=label, capsize=3)
-        xs = [n for n in SAMPLERS if (regime, 10, n, False) in env]
-        ys = [env[(regime, 10, n, False)]["mean"] for n in xs]
-        lo = [min(env[(regime, 10, n, False)]["values"]) for n in xs]
-        hi = [max(env[(regime, 10, n, False)]["values"]) for n in xs]
-        b.errorbar(xs, ys, yerr=[np.subtract(ys, lo), np.subtract(hi, ys)], fmt="o-", color=colors[regime], label=regime, capsize=3)
+            keys = [(regime, s, 1, fetch) for s in SEND_EVERY if (regime, s, 1, fetch) in env]
+            if keys:
+                ys, err = _band(env, keys)
+                label = regime + (", weights fetched before every chunk (seed 003)" if fetch else "")
+                a.errorbar([k[1] for k in keys], ys, yerr=err, fmt=style, color=colors[regime], label=label, capsize=3)
+        keys = [(regime, 10, n, False) for n in SAMPLERS if (regime, 10, n, False) in env]
+        if keys:
+            ys, err = _band(env, keys)
+            b.errorbar([k[2] for k in keys], ys, yerr=err, fmt="o-", color=colors[regime], label=regime, capsize=3)
     if alone:
         a.plot([x["send_every"] for x in alone], [x["env_steps_per_s"] for x in alone], "^:", color="0.5",
-               label="collect alone, in process (no Ray)")
+               label="collect alone in the driver (no Ray, no insert)")
     a.set_xscale("log")
     a.set_xticks(SEND_EVERY, [str(s) for s in SEND_EVERY])
-    a.set_xlabel("env.send_every (vector steps per chunk), 1 sampler")
-    a.set_ylabel("env steps / s")
-    a.set_yscale("log")
-    a.legend(fontsize=7)
+    a.set_xlabel("env.send_every (vector steps of 8 envs per chunk), 1 sampler")
     b.set_xticks(SAMPLERS, [str(n) for n in SAMPLERS])
-    b.set_xlabel("env.samplers (send_every 10), 2 CPUs")
-    b.set_ylabel("env steps / s")
-    b.set_yscale("log")
-    b.legend(fontsize=7)
+    b.set_xlabel("env.samplers (send_every 10) on 2 CPUs")
+    for ax in (a, b):
+        ax.set_ylabel("env steps / s (mean, min..max)")
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
     # Where one sampler's loop went, sampler-bound.
     parts = (("sampler_collect_s", "collect (envs + policy)", MODE_COLORS["async"]),
              ("sampler_insert_s", "insert (encode + round trip)", MODE_COLORS["inflight"]),
-             ("sampler_weights_s", "weights", MODE_COLORS["partial"]))
-    labels, bottoms = [], None
-    bars = [(se, f) for se in SEND_EVERY for f in (False, True)]
-    shares = {}
-    for se, f in bars:
-        same = [r for r in rows if r["regime"] == "sampler-bound" and r["samplers"] == 1 and r["send_every"] == se and r["fetch_every_chunk"] == f]
-        if same:
-            loop = sum(r["sampler_loop_s"] for r in same)
-            shares[(se, f)] = [sum(r[k] for r in same) / loop for k, _, _ in parts]
-            labels.append(f"{se}" + ("\nfetch\nevery" if f else ""))
+             ("sampler_weights_s", "weights fetch", MODE_COLORS["partial"]))
+    shares, labels = {}, []
+    for se in SEND_EVERY:
+        for f in (False, True):
+            same = [r for r in rows if r["regime"] == "sampler-bound" and r["samplers"] == 1 and r["send_every"] == se
+                    and r["fetch_every_chunk"] == f]
+            if same:
+                loop = sum(r["sampler_loop_s"] for r in same)
+                shares[(se, f)] = [sum(r[k] for r in same) / loop for k, _, _ in parts]
+                labels.append(f"{se}" + (" (003)" if f else ""))
     keys = list(shares)
-    bottoms = np.zeros(len(keys))
+    bottom = np.zeros(len(keys))
     for i, (_, name, color) in enumerate(parts):
         vals = np.array([shares[k][i] for k in keys])
-        c.bar(range(len(keys)), vals, bottom=bottoms, color=color, label=name)
-        bottoms += vals
-    c.bar(range(len(keys)), 1 - bottoms, bottom=bottoms, color="#eeeeee", label="other")
-    c.set_xticks(range(len(keys)), labels, fontsize=7)
-    c.set_xlabel("send_every (sampler-bound, 1 sampler)")
+        c.bar(range(len(keys)), vals, bottom=bottom, color=color, label=name)
+        bottom += vals
+    c.bar(range(len(keys)), 1 - bottom, bottom=bottom, color="#eeeeee", label="other")
+    c.set_xticks(range(len(keys)), labels, fontsize=8)
+    c.set_xlabel("send_every, sampler-bound, 1 sampler ((003): weights fetched before every chunk)")
     c.set_ylabel("share of the sampler's loop")
     c.set_ylim(0, 1)
     c.legend(fontsize=7, loc="lower right")
-    for ax in (a, b, c):
+    # CPU per env step, by role, sampler-bound (learner-bound: the learner's ~2 ms per env step
+    # dwarfs the rest; the table has it).
+    confs = [k for k in env if k[0] == "sampler-bound"]
+    roles = (("sampler_cpu_us_per_step", "samplers", MODE_COLORS["async"]), ("replay_cpu_us_per_step", "replay", MODE_COLORS["inflight"]),
+             ("learner_cpu_us_per_step", "learner", MODE_COLORS["sync"]))
+    bottom = np.zeros(len(confs))
+    for key, name, color in roles:
+        vals = np.array([np.mean([r[key] for r in rows if (r["regime"], r["send_every"], r["samplers"], r["fetch_every_chunk"]) == k])
+                         for k in confs])
+        d.bar(range(len(confs)), vals, bottom=bottom, color=color, label=name)
+        bottom += vals
+    d.set_xticks(range(len(confs)), [f"{k[1]}/{k[2]}{' (003)' if k[3] else ''}" for k in confs], fontsize=8)
+    d.set_xlabel("send_every/samplers, sampler-bound ((003): weights fetched before every chunk)")
+    d.set_ylabel("process CPU µs per env step (actors' own CPU)")
+    d.legend(fontsize=7)
+    for ax in (a, b, c, d):
         ax.grid(alpha=0.3)
-    fig.suptitle("env pipeline throughput on Ray (CartPole DQN, 8 envs per sampler, 2 CPUs)")
+    fig.suptitle("env pipeline throughput on Ray: CartPole DQN, 8 envs per sampler, 2 CPUs shared with other load")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -488,23 +518,27 @@ def git_commit() -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--env-steps", type=int, default=40_000, help="env steps of each sampler-bound run")
-    p.add_argument("--learner-bound-env-steps", type=int, default=8_000, help="env steps of each learner-bound run")
+    p.add_argument("--env-steps", type=int, default=24_000, help="env steps of each sampler-bound run")
+    p.add_argument("--learner-bound-env-steps", type=int, default=6_000, help="env steps of each learner-bound run")
     p.add_argument("--repeats", type=int, default=2, help="passes over every configuration, interleaved")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("runs/env-throughput"))
+    p.add_argument("--from-json", type=Path, help="only render the table and plot of an earlier run's rows.json")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from rich.console import Console
-    from rich.table import Table
 
     import ray
 
     from core.runtimes.ray import cluster
 
-    console = Console()
+    console = Console(width=220)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        report(console, saved["meta"], saved["alone"], [derive(r) for r in saved["rows"]], args.out)
+        return
     meta = {"commit": git_commit(), "command": " ".join(["python", *sys.argv]), "loadavg_start": loadavg(),
             "cpus": os.cpu_count(), "sampler_bound_spi": SAMPLER_BOUND_SPI, "learner_bound_spi": LEARNER_BOUND_SPI,
             "sampler_num_cpus": SAMPLER_CPUS, "backend": __import__("ext.replay", fromlist=["BACKEND"]).BACKEND}
@@ -534,6 +568,12 @@ def main() -> None:
         ray.kill(collector)
     meta["loadavg_end"] = loadavg()
     (args.out / "rows.json").write_text(json.dumps({"meta": meta, "alone": alone, "rows": rows}, indent=1))
+    report(console, meta, alone, rows, args.out)
+
+
+def report(console, meta: dict, alone: list[dict], rows: list[dict], out: Path) -> None:
+    from rich.table import Table
+
     t = Table(title=f"env throughput, commit {meta['commit']}")
     for h in HEADER:
         t.add_column(h, justify="right")
@@ -541,10 +581,10 @@ def main() -> None:
         t.add_row(*r)
     console.print(t)
     md = markdown(HEADER, table_rows(rows)) + "\n\n" + markdown(BREAKDOWN_HEADER, breakdown_rows(rows)) + "\n"
-    (args.out / "table.md").write_text(md)
+    (out / "table.md").write_text(md)
     console.print(md)
-    plot(rows, alone, args.out / "env-throughput.png")
-    console.print(f"loadavg at the end {meta['loadavg_end']}; rows, table and plot in {args.out}")
+    plot(rows, alone, out / "env-throughput.png")
+    console.print(f"loadavg at the end {meta['loadavg_end']}; rows, table and plot in {out}")
 
 
 if __name__ == "__main__":
