@@ -67,19 +67,34 @@ class Config:
     regime: str
     send_every: int
     samplers: int
-    fetch_every_chunk: bool = False
+    variant: str = ""
+    """'': the sampler as it is; 'fetch': it fetches the newest weights before every chunk, new or
+    not (seed 003's design); 'overlap': it collects the next chunk while the previous chunk's
+    insert is in flight (a change proposed for ``SamplerHost.run``, measured here)."""
 
     @property
     def label(self) -> str:
-        tail = ", fetch every chunk" if self.fetch_every_chunk else ""
-        return f"send_every={self.send_every}, samplers={self.samplers}{tail}"
+        return f"send_every={self.send_every}, samplers={self.samplers}" + (f", {VARIANTS[self.variant]}" if self.variant else "")
+
+    @property
+    def key(self) -> tuple:
+        return (self.regime, self.send_every, self.samplers, self.variant)
 
     def is_baseline(self) -> bool:
-        return (self.send_every, self.samplers) == BASELINE and not self.fetch_every_chunk
+        return (self.send_every, self.samplers) == BASELINE and not self.variant
 
 
-def configs() -> list[Config]:
-    """Every configuration of one repeat, in run order; the baselines first in each regime."""
+SHORT = {"": "", "fetch": " (003)", "overlap": " (ov)"}
+VARIANTS = {"": "as is", "fetch": "fetch every chunk (seed 003)", "overlap": "insert overlapped with the next collect (proposed)"}
+
+
+def configs(overlap_only: bool = False) -> list[Config]:
+    """Every configuration of one repeat, in run order; the baselines first in each regime.
+    ``overlap_only``: the sampler-bound send_every sweep, as is and overlapped."""
+    if overlap_only:
+        regime = "sampler-bound"
+        return ([Config(regime, *BASELINE)] + [Config(regime, s, 1) for s in SEND_EVERY if (s, 1) != BASELINE]
+                + [Config(regime, s, 1, "overlap") for s in SEND_EVERY])
     out: list[Config] = []
     for regime in REGIMES:
         seen: list[Config] = []
@@ -87,9 +102,14 @@ def configs() -> list[Config]:
             if c not in seen:
                 seen.append(c)
         if regime == "sampler-bound":
-            seen += [Config(regime, s, 1, fetch_every_chunk=True) for s in SEND_EVERY]
+            seen += [Config(regime, s, 1, "fetch") for s in SEND_EVERY]
         out += seen
     return out
+
+
+def row_key(r: dict) -> tuple:
+    """A row's configuration, as ``Config.key``."""
+    return (r["regime"], r["send_every"], r["samplers"], r["variant"])
 
 
 def scenario_changes(c: Config, env_steps: int) -> dict[str, object]:
@@ -111,7 +131,7 @@ def ratios(rows: list[dict], key: str = "env_steps_per_s") -> dict[tuple, dict]:
     base = {(r["regime"], r["repeat"]): r[key] for r in rows if r["baseline"]}
     out: dict[tuple, dict] = {}
     for r in rows:
-        k = (r["regime"], r["send_every"], r["samplers"], r["fetch_every_chunk"])
+        k = row_key(r)
         d = out.setdefault(k, {"values": [], "ratios": []})
         d["values"].append(r[key])
         b = base.get((r["regime"], r["repeat"]))
@@ -196,7 +216,7 @@ def fetch_cost(reps: int = 200) -> dict:
 
 # ---- timed actors --------------------------------------------------------------------------------
 
-def _timed_classes(collector, fetch_every_chunk: bool):
+def _timed_classes(collector, variant: str):
     """The pipeline's SamplerHost, LearnerHost and TransitionReplay with timers, built inside a
     function so that cloudpickle ships them by value to the actors' processes. What each measures
     goes to ``collector`` (an actor) at the end of its run; the replay's CPU seconds ride on its
@@ -242,7 +262,7 @@ def _timed_classes(collector, fetch_every_chunk: bool):
 
         async def _take_weights(self) -> None:
             t0 = time.perf_counter()
-            if fetch_every_chunk and self._offer is not None:
+            if variant == "fetch" and self._offer is not None:
                 # Seed 003's sampler: pull the newest weights before every send, new or not.
                 version, (ref,) = self._offer
                 self.policy.set_weights(await ref, version)
@@ -253,11 +273,50 @@ def _timed_classes(collector, fetch_every_chunk: bool):
 
         async def run(self, replay, env_steps: int) -> dict:
             cpu0, t0 = time.process_time(), time.perf_counter()
-            out = await super().run(_TimedReplayHandle(replay, self.timers), env_steps)
+            if variant == "overlap":
+                out = await self._run_overlapped(replay, env_steps)
+            else:
+                out = await super().run(_TimedReplayHandle(replay, self.timers), env_steps)
             out = {**out, **self.timers, "loop_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0,
                    "pid": os.getpid()}
             await collector.put.remote("sampler", out)
             return out
+
+        async def _run_overlapped(self, replay, env_steps: int) -> dict:
+            """SamplerHost.run with one insert in flight while the next chunk is collected; the
+            next is sent only after the previous one is in, so the replay sees each sampler's
+            chunks in order as before. ``insert_s``: the time the loop waited on inserts."""
+            from core.env.rate_limiter import LimiterClosed
+
+            closed, pending = False, None
+            clock = time.perf_counter
+            while self.sampler.env_steps < env_steps and not self._stop:
+                await self._take_weights()
+                chunk = self.sampler.collect()
+                self.rows += len(chunk)
+                t0 = clock()
+                try:
+                    if pending is not None:
+                        await pending
+                except LimiterClosed:
+                    pending, closed = None, True
+                    break
+                finally:
+                    self.timers["insert_s"] += clock() - t0
+                t0 = clock()
+                pending = replay.insert_chunk.remote(chunk)
+                self.timers["insert_s"] += clock() - t0
+                self.timers["inserts"] += 1
+            if pending is not None:
+                t0 = clock()
+                try:
+                    await pending
+                except LimiterClosed:
+                    closed = True
+                self.timers["insert_s"] += clock() - t0
+            self.sampler.close()
+            return {"env_steps": self.sampler.env_steps, "chunks": self.sampler.chunks, "rows": self.rows,
+                    "weights_fetched": self.weights_fetched, "closed": closed}
 
     class TimedLearnerHost(LearnerHost):
         async def run(self, replay) -> dict:
@@ -301,7 +360,7 @@ def run_one(c: Config, env_steps: int, seed: int, collector) -> dict:
     from core.model.env_config import EnvScenario
 
     sc = with_changes(EnvScenario(), scenario_changes(c, env_steps))
-    timed = _timed_classes(collector, c.fetch_every_chunk)
+    timed = _timed_classes(collector, c.variant)
     saved = ray_env.SamplerHost, ray_env.LearnerHost, ray_env.TransitionReplay
     load0 = loadavg()
     stat0, _ = busy_cores_since(None)
@@ -349,6 +408,8 @@ def run_one(c: Config, env_steps: int, seed: int, collector) -> dict:
 def derive(row: dict) -> dict:
     """Adds CPU microseconds per env step, per role and in all: what a configuration costs
     whatever share of the cores the machine's other load left it."""
+    if "variant" not in row:  # rows.json of an earlier version of this script
+        row["variant"] = "fetch" if row.pop("fetch_every_chunk", False) else ""
     steps = row["env_steps"]
     for role in ("sampler", "replay", "learner"):
         row[f"{role}_cpu_us_per_step"] = 1e6 * row[f"{role}_cpu_s"] / steps
@@ -364,12 +425,12 @@ def table_rows(rows: list[dict]) -> list[list[str]]:
     upd = ratios(rows, "updates_per_s")
     out = []
     for k, d in env.items():
-        same = [r for r in rows if (r["regime"], r["send_every"], r["samplers"], r["fetch_every_chunk"]) == k]
+        same = [r for r in rows if row_key(r) == k]
         m = lambda key: float(np.mean([r[key] for r in same]))  # noqa: E731
         fetched = np.mean([np.mean(r["weights_fetched"]) for r in same])
         spread = f" ({d['ratio_min']:.2f}..{d['ratio_max']:.2f})" if len(d["ratios"]) > 1 else ""
         out.append([
-            k[0], str(k[1]), str(k[2]), "every chunk" if k[3] else "new version",
+            k[0], str(k[1]), str(k[2]), VARIANTS[k[3]],
             f"{d['mean']:,.0f}", f"{d['ratio']:.2f}x{spread}", f"{upd[k]['mean']:,.0f}", f"{m('chunks_per_s'):,.0f}",
             f"{m('insert_blocked_s'):.1f}", f"{m('sample_blocked_s'):.1f}", f"{fetched:.1f}", f"{m('policy_lag'):.2f}",
             f"{m('cpu_us_per_step'):,.0f} ({m('sampler_cpu_us_per_step'):,.0f} / {m('replay_cpu_us_per_step'):,.0f} / "
@@ -379,7 +440,7 @@ def table_rows(rows: list[dict]) -> list[list[str]]:
     return out
 
 
-HEADER = ["rate limit", "send_every", "samplers", "weights fetched", "env steps/s", "ratio to baseline",
+HEADER = ["rate limit", "send_every", "samplers", "sampler", "env steps/s", "ratio to baseline",
           "updates/s", "chunks/s", "sampler held back (s)", "learner held back (s)", "weights fetched per sampler",
           "policy lag", "CPU µs per env step (samplers / replay / learner)", "pipeline cores", "machine cores"]
 
@@ -388,16 +449,15 @@ def breakdown_rows(rows: list[dict]) -> list[list[str]]:
     """Where the samplers' loop went, sampler-bound, one sampler: stepping against the insert."""
     out = []
     for se in SEND_EVERY:
-        for fetch in (False, True):
-            same = [r for r in rows if r["regime"] == "sampler-bound" and r["samplers"] == 1 and r["send_every"] == se
-                    and r["fetch_every_chunk"] == fetch]
+        for variant in VARIANTS:
+            same = [r for r in rows if row_key(r) == ("sampler-bound", se, 1, variant)]
             if not same:
                 continue
             loop = sum(r["sampler_loop_s"] for r in same)
             share = lambda key: sum(r[key] for r in same) / loop  # noqa: E731
             other = 1 - share("sampler_collect_s") - share("sampler_insert_s") - share("sampler_weights_s")
             out.append([
-                str(se), "every chunk" if fetch else "new version", f"{share('sampler_collect_s'):.0%}", f"{share('sampler_insert_s'):.0%}",
+                str(se), VARIANTS[variant], f"{share('sampler_collect_s'):.0%}", f"{share('sampler_insert_s'):.0%}",
                 f"{share('sampler_weights_s'):.0%}", f"{other:.0%}",
                 f"{1e3 * sum(r['sampler_insert_s'] for r in same) / sum(r['chunks'] for r in same):.2f}",
                 f"{np.mean([r['sampler_collect_rate'] for r in same]):,.0f}", f"{sum(r['sampler_cpu_s'] for r in same) / loop:.2f}",
@@ -405,8 +465,8 @@ def breakdown_rows(rows: list[dict]) -> list[list[str]]:
     return out
 
 
-BREAKDOWN_HEADER = ["send_every", "weights fetched", "collect (envs + policy)", "insert (encode + round trip)", "weights",
-                    "other", "ms per insert", "collect-only env steps/s in the actor", "sampler CPU / loop"]
+BREAKDOWN_HEADER = ["send_every", "sampler", "collect (envs + policy)", "insert (encode + round trip; overlapped: the wait)",
+                    "weights", "other", "ms per insert", "collect-only env steps/s in the actor", "sampler CPU / loop"]
 
 
 def markdown(header: list[str], rows: list[list[str]]) -> str:
@@ -436,13 +496,14 @@ def plot(rows: list[dict], alone: list[dict], path: Path) -> None:
     colors = {"sampler-bound": MODE_COLORS["async"], "learner-bound": MODE_COLORS["sync"]}
     fig, ((a, b), (c, d)) = plt.subplots(2, 2, figsize=(13, 8.5))
     for regime in REGIMES:
-        for fetch, style in ((False, "o-"), (True, "s--")):
-            keys = [(regime, s, 1, fetch) for s in SEND_EVERY if (regime, s, 1, fetch) in env]
+        for variant, style in (("", "o-"), ("fetch", "s--"), ("overlap", "D-.")):
+            keys = [(regime, s, 1, variant) for s in SEND_EVERY if (regime, s, 1, variant) in env]
             if keys:
                 ys, err = _band(env, keys)
-                label = regime + (", weights fetched before every chunk (seed 003)" if fetch else "")
-                a.errorbar([k[1] for k in keys], ys, yerr=err, fmt=style, color=colors[regime], label=label, capsize=3)
-        keys = [(regime, 10, n, False) for n in SAMPLERS if (regime, 10, n, False) in env]
+                label = regime + (f", {VARIANTS[variant]}" if variant else "")
+                a.errorbar([k[1] for k in keys], ys, yerr=err, fmt=style, color=colors[regime], label=label, capsize=3,
+                           alpha=1.0 if not variant else 0.75)
+        keys = [(regime, 10, n, "") for n in SAMPLERS if (regime, 10, n, "") in env]
         if keys:
             ys, err = _band(env, keys)
             b.errorbar([k[2] for k in keys], ys, yerr=err, fmt="o-", color=colors[regime], label=regime, capsize=3)
@@ -464,13 +525,12 @@ def plot(rows: list[dict], alone: list[dict], path: Path) -> None:
              ("sampler_weights_s", "weights fetch", MODE_COLORS["partial"]))
     shares, labels = {}, []
     for se in SEND_EVERY:
-        for f in (False, True):
-            same = [r for r in rows if r["regime"] == "sampler-bound" and r["samplers"] == 1 and r["send_every"] == se
-                    and r["fetch_every_chunk"] == f]
+        for variant in VARIANTS:
+            same = [r for r in rows if row_key(r) == ("sampler-bound", se, 1, variant)]
             if same:
                 loop = sum(r["sampler_loop_s"] for r in same)
-                shares[(se, f)] = [sum(r[k] for r in same) / loop for k, _, _ in parts]
-                labels.append(f"{se}" + (" (003)" if f else ""))
+                shares[(se, variant)] = [sum(r[k] for r in same) / loop for k, _, _ in parts]
+                labels.append(f"{se}{SHORT[variant]}")
     keys = list(shares)
     bottom = np.zeros(len(keys))
     for i, (_, name, color) in enumerate(parts):
@@ -479,7 +539,7 @@ def plot(rows: list[dict], alone: list[dict], path: Path) -> None:
         bottom += vals
     c.bar(range(len(keys)), 1 - bottom, bottom=bottom, color="#eeeeee", label="other")
     c.set_xticks(range(len(keys)), labels, fontsize=8)
-    c.set_xlabel("send_every, sampler-bound, 1 sampler ((003): weights fetched before every chunk)")
+    c.set_xlabel("send_every, sampler-bound, 1 sampler; (003): fetch every chunk, (ov): insert overlapped")
     c.set_ylabel("share of the sampler's loop")
     c.set_ylim(0, 1)
     c.legend(fontsize=7, loc="lower right")
@@ -490,12 +550,11 @@ def plot(rows: list[dict], alone: list[dict], path: Path) -> None:
              ("learner_cpu_us_per_step", "learner", MODE_COLORS["sync"]))
     bottom = np.zeros(len(confs))
     for key, name, color in roles:
-        vals = np.array([np.mean([r[key] for r in rows if (r["regime"], r["send_every"], r["samplers"], r["fetch_every_chunk"]) == k])
-                         for k in confs])
+        vals = np.array([np.mean([r[key] for r in rows if row_key(r) == k]) for k in confs])
         d.bar(range(len(confs)), vals, bottom=bottom, color=color, label=name)
         bottom += vals
-    d.set_xticks(range(len(confs)), [f"{k[1]}/{k[2]}{' (003)' if k[3] else ''}" for k in confs], fontsize=8)
-    d.set_xlabel("send_every/samplers, sampler-bound ((003): weights fetched before every chunk)")
+    d.set_xticks(range(len(confs)), [f"{k[1]}/{k[2]}{SHORT[k[3]]}" for k in confs], fontsize=8, rotation=30)
+    d.set_xlabel("send_every/samplers, sampler-bound; (003): fetch every chunk, (ov): insert overlapped")
     d.set_ylabel("process CPU µs per env step (actors' own CPU)")
     d.legend(fontsize=7)
     for ax in (a, b, c, d):
@@ -523,6 +582,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="passes over every configuration, interleaved")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("runs/env-throughput"))
+    p.add_argument("--overlap-only", action="store_true",
+                   help="only the sampler-bound send_every sweep, as is and with the insert overlapped (proposed)")
     p.add_argument("--from-json", type=Path, help="only render the table and plot of an earlier run's rows.json")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -554,7 +615,7 @@ def main() -> None:
         console.print(f"one weights fetch (ray.get + set_weights) in the driver: {1e3 * meta['fetch']['fetch_s']:.3f} ms, "
                       f"{meta['fetch']['bytes'] / 1e3:.0f} kB")
         for rep in range(args.repeats):
-            for c in configs():
+            for c in configs(args.overlap_only):
                 steps = args.env_steps if c.regime == "sampler-bound" else args.learner_bound_env_steps
                 row = {**run_one(c, steps, args.seed, collector), "repeat": rep}
                 rows.append(row)
