@@ -1,0 +1,89 @@
+"""The pure helpers of two env bench scripts (bench/env_throughput.py, bench/profile_env_learner.py):
+which configurations run, the ratio to a baseline, and which category a py-spy stack is charged
+to. The scripts themselves take minutes and are not run here."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # a dataclass looks its module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def throughput():
+    return _load("env_throughput")
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return _load("profile_env_learner")
+
+
+def test_configs_cover_both_sweeps_once_with_a_baseline_each(throughput):
+    cs = throughput.configs()
+    assert len(cs) == len(set(cs))
+    for regime in throughput.REGIMES:
+        mine = [c for c in cs if c.regime == regime and not c.variant]
+        assert mine[0].is_baseline() and sum(c.is_baseline() for c in mine) == 1
+        assert {c.send_every for c in mine if c.samplers == 1} == set(throughput.SEND_EVERY)
+        assert {c.samplers for c in mine if c.send_every == 10} == set(throughput.SAMPLERS)
+    changes = throughput.scenario_changes(cs[0], 1000)
+    assert changes["env.eval_every"] > changes["env.env_steps"]
+
+
+def test_ratios_are_against_the_same_repeats_baseline(throughput):
+    def row(rep, se, rate, base=False):
+        return {"regime": "sampler-bound", "repeat": rep, "send_every": se, "samplers": 1, "variant": "",
+                "baseline": base, "env_steps_per_s": rate}
+
+    got = throughput.ratios([row(0, 10, 100.0, True), row(0, 1, 50.0), row(1, 10, 200.0, True), row(1, 1, 50.0)])
+    one = got[("sampler-bound", 1, 1, "")]
+    assert one["ratio_min"] == pytest.approx(0.25) and one["ratio_max"] == pytest.approx(0.5)
+    assert one["ratio"] == pytest.approx(0.375) and one["mean"] == pytest.approx(50.0)
+
+
+def _line_of(path: str, text: str) -> int:
+    lines = (ROOT / path).read_text().splitlines()
+    return next(i + 1 for i, line in enumerate(lines) if text in line)
+
+
+def test_stacks_are_charged_to_what_they_ran(profile):
+    loop = ["<module> (bench/profile_env_learner.py:1)", "run_sync (core/env/sync_loop.py:90)"]
+    # The pure-Python replay: its own frames.
+    ref = loop + ["TransitionReplay.sample (core/env/transition_replay.py:1)", "ReplayBuffer.sample (ext/_replay_ref.py:400)",
+                  "sum (numpy/_core/fromnumeric.py:1)"]
+    assert profile.categorize(ref) == profile.REPLAY_SAMPLE
+    # The compiled replay makes no frame: the line that calls the buffer says which method.
+    line = _line_of("core/env/transition_replay.py", "self.buffer.update_priorities(")
+    assert profile.categorize(loop + [f"TransitionReplay.update_priorities (core/env/transition_replay.py:{line})"]) == profile.REPLAY_PRIO
+    back = _line_of("core/env/dqn.py", "loss.backward()")
+    assert profile.categorize(loop + [f"DQNLearner.update (core/env/dqn.py:{back})", "backward (torch/autograd/__init__.py:1)"]) \
+        == "learner: backward"
+    assert profile.categorize(loop + ["EnvSampler.collect (core/env/sampler.py:1)", "EpsilonGreedy.act (core/env/dqn.py:1)",
+                                      "Linear.forward (torch/nn/modules/linear.py:1)"]) == "policy (sampler's forward)"
+    # Ray's blocked threads are waiting, not busy; Ray's work under the actor's method is Ray's.
+    assert profile.categorize(["<module> (ray/_private/workers/default_worker.py:323)",
+                               "Worker.main_loop (ray/_private/worker.py:1069)"]) == profile.WAITING
+    assert profile.categorize(["Thread._bootstrap (threading.py:1002)", "Thread.run (threading.py:982)"]) == profile.WAITING
+    assert profile.categorize(["Thread.run (threading.py:982)", "LearnerHost.run (core/runtimes/ray_env.py:140)",
+                               "ObjectRef.__await__ (ray/_raylet.pyx:1)"]) == "ray / asyncio / serialization"
+    assert profile.categorize(["<module> (x.py:1)", "_find_and_load (<frozen importlib._bootstrap>:1176)"]) == profile.STARTUP
+
+
+def test_shares_leave_out_startup_waiting_and_frames_outside_the_loop(profile):
+    stacks = [([], 5), (["main (a.py:1)"], 7), (["run_sync (core/env/sync_loop.py:1)", "f (gymnasium/core.py:1)"], 3),
+              (["run_sync (core/env/sync_loop.py:1)", "Thread.run (threading.py:982)"], 2)]
+    counts, total, left_out, waiting = profile.shares(stacks, keep="run_sync")
+    assert counts == {"gymnasium": 3} and total == 3 and left_out == 12 and waiting == 2
