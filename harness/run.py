@@ -31,7 +31,7 @@ from core.runtimes.ray import cluster
 from core.runtimes.ray_env import PlacementError
 from core.runtimes.run_checkpoint import load_run, scenario_digest
 from core.store.checkpoint import CheckpointError
-from core.model.config import with_changes
+from core.model.config import ConfigError, with_changes
 from core.model.env_config import EnvScenario
 from core.model.owned import discard_owned, is_owned, make_owned, remove_owned, replaceable, stamp
 from harness import report
@@ -97,11 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         sc = variants[0].scenario
         try:
             summary = env_run.main(sc, out, console, plots=not args.no_plots)
-        except PlacementError as exc:  # what only the cluster can tell, before any actor starts
+        except (PlacementError, ConfigError) as exc:  # what only the cluster (or env.id) can tell, before any actor starts
             err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
             return 2
         console.print(env_run.table(sc, summary))
-        figures = [] if args.no_plots else [name for _, name, _ in RETURN_FIGURES]
+        figures = [] if args.no_plots or sc.runtime == "sim" else [name for _, name, _ in RETURN_FIGURES]
         console.print(f"reports in {out}: summary.json, seed-<s>/<mode>/report.json" + "".join(f", {f}" for f in figures), highlight=False)
         return 0
 
