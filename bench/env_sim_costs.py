@@ -85,25 +85,31 @@ def learner_and_replay_costs(sc) -> dict:
     loop = asyncio.new_event_loop()
     try:
         chunks = [sampler.collect() for _ in range(max(2, -(-sc.replay.min_size_to_sample // (sc.env.envs_per_sampler * sc.env.send_every)) + 2))]
-        insert_times = []
         for c in chunks:
-            t0 = time.perf_counter()
             loop.run_until_complete(replay.insert_chunk(c))
-            insert_times.append((len(c), time.perf_counter() - t0))
-        points = [(rows, s) for rows, s in insert_times[1:]]
+        full = {**chunks[-1].columns, "version": chunks[-1].version}
         b = sc.dqn.batch_size
+        # (rows inserted, rows sampled, seconds) of single calls; one fixed cost per call and
+        # one per row of each kind, fitted through all of them.
+        calls = []
+        for n in (max(1, len(full["version"]) // 8), len(full["version"])):
+            part = {k: v[:n] for k, v in full.items()}
+            calls.append((n, 0, median_s(lambda: loop.run_until_complete(replay.insert(part)), 20)))
 
         def sample_and_update(n: int) -> None:
             batch, slots, w = loop.run_until_complete(replay.sample(n, 0.4))
             replay.update_priorities(slots, np.ones(n))
 
         for n in (b, sc.max_sample_rows()):
-            points.append((n, median_s(lambda: sample_and_update(n), 20)))
-        call_s, row_s = fit(points)
+            calls.append((0, n, median_s(lambda: sample_and_update(n), 20)))
+        design = np.array([[1.0, i, o] for i, o, _ in calls])
+        (call_s, insert_row_s, sample_row_s), *_ = np.linalg.lstsq(design, np.array([t for *_, t in calls]), rcond=None)
+        print("# replay calls (rows in, rows out, seconds): " + ", ".join(f"({i}, {o}, {t:.2e})" for i, o, t in calls))
         rows, slots, w = loop.run_until_complete(replay.sample(b, 0.4))
         learner.update(rows, w)
         update_s = median_s(lambda: learner.update(rows, w), 30)
-        return {"learner_update_s": update_s, "replay_call_s": call_s, "replay_row_s": row_s}
+        return {"learner_update_s": update_s, "replay_call_s": max(0.0, call_s),
+                "replay_insert_row_s": max(0.0, insert_row_s), "replay_sample_row_s": max(0.0, sample_row_s)}
     finally:
         sampler.close()
         loop.close()

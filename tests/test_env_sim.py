@@ -41,7 +41,8 @@ def test_async_overlaps_what_sync_adds_up():
     # Per env step: 0.1 ms of stepping, and 8 / 64 updates of 0.8 ms = 0.1 ms of learning.
     sc = scenario({"envs_per_sampler": 1, "send_every": 16},
                   {"env_step_s": 1e-4, "forward_s": 0.0, "forward_env_s": 0.0, "learner_update_s": 8e-4,
-                   "rpc_latency_s": 0.0, "replay_call_s": 0.0, "replay_row_s": 0.0, "jitter": 0.0},
+                   "rpc_latency_s": 0.0, "replay_call_s": 0.0, "replay_insert_row_s": 0.0,
+                   "replay_sample_row_s": 0.0, "jitter": 0.0},
                   replay={"samples_per_insert": 8})
     sync, async_ = figures(sc, "sync"), figures(sc, "async")
     assert sync["env_steps_per_s"] == pytest.approx(1 / 2e-4, rel=0.05)
@@ -81,7 +82,7 @@ def test_send_every_spreads_the_per_message_cost_over_more_steps():
     for every in (1, 10, 100):
         sc = scenario({"envs_per_sampler": 1, "send_every": every},
                       {"env_step_s": c, "forward_s": 0.0, "forward_env_s": 0.0, "rpc_latency_s": rpc, "replay_call_s": 0.0,
-                       "replay_row_s": 0.0, "learner_update_s": 1e-6, "jitter": 0.0},
+                       "replay_insert_row_s": 0.0, "replay_sample_row_s": 0.0, "learner_update_s": 1e-6, "jitter": 0.0},
                       replay={"samples_per_insert": 1})
         rates.append(figures(sc, "async")["env_steps_per_s"])
         assert rates[-1] == pytest.approx(every / (every * c + rpc), rel=0.02)

@@ -139,9 +139,12 @@ class EnvSimSpec(_Frozen):
     64 rows, one torch thread)."""
     replay_call_s: float = Field(1.6e-4, ge=0)
     """The replay's own work per call (insert or sample), one call at a time: it is one actor
-    (measured: TransitionReplay.insert_chunk and sample + update_priorities, in process)."""
-    replay_row_s: float = Field(7.2e-9, ge=0)
-    """The replay's added work per row inserted or sampled (measured, as ``replay_call_s``)."""
+    (measured: TransitionReplay.insert and sample + update_priorities in process, one line
+    through both)."""
+    replay_insert_row_s: float = Field(7.2e-9, ge=0)
+    """The replay's added work per row inserted (measured, as ``replay_call_s``)."""
+    replay_sample_row_s: float = Field(7.2e-9, ge=0)
+    """The replay's added work per row sampled, its new priority included (measured, as ``replay_call_s``)."""
     row_bytes: int | None = Field(None, ge=1)
     """Bytes of one row on the wire. None: the replay's columns for ``env.id`` (core/env/wiring.py
     replay_spec): two float32 observations, an int64 action, float32 reward, discount and log-prob,

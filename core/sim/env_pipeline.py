@@ -6,7 +6,7 @@ on modelled costs (``EnvSimSpec``), paced by the real rate limiter.
                   slowed where a machine's samplers oversubscribe its cores
         send      rows x row_bytes over its machine's outgoing link and machine 0's incoming link
                   (none for machine 0's own samplers), half an RPC latency each way
-        insert    the replay's work (replay_call_s + rows x replay_row_s, one call at a time),
+        insert    the replay's work (replay_call_s + rows x replay_insert_row_s, one call at a time),
                   then the limiter's wait_insert
         weights   if a newer version was published: fetch it (an RPC); the first sampler of a
                   machine to want a version pulls param_bytes over the links, its neighbours
@@ -189,7 +189,7 @@ class EnvPipelineSim:
             r.updates += n
             r.versions = r.updates // sc.dqn.publish_every
             r.learner_s["update_s"] += n * s.learner_update_s
-            replay_s = s.replay_call_s + rows * s.replay_row_s + n * (s.replay_call_s + b * s.replay_row_s)
+            replay_s = s.replay_call_s + rows * s.replay_insert_row_s + n * (s.replay_call_s + b * s.replay_sample_row_s)
             self.replay.busy_s += replay_s
             await sleep_until(loop, loop.time() + replay_s + n * s.learner_update_s)
         r.train_s = loop.time()
@@ -223,7 +223,7 @@ class EnvPipelineSim:
         rows = e.envs_per_sampler * e.send_every
         nbytes = rows * self.row_bytes
         wire_s = nbytes / self.bytes_per_s
-        work_s = s.replay_call_s + rows * s.replay_row_s
+        work_s = s.replay_call_s + rows * s.replay_insert_row_s
         version, steps, carry = 0, 0, 0.0
         while steps < quota:
             compute = e.send_every * self.vector_step_s[m] * self._draw(jitter)
@@ -277,7 +277,7 @@ class EnvPipelineSim:
         await sleep_until(loop, loop.time() + self.half_rpc)
         await lim.wait_sample(rows)
         lim.sampled(rows)
-        await sleep_until(loop, self.replay.serve(loop.time(), s.replay_call_s + rows * s.replay_row_s) + self.half_rpc)
+        await sleep_until(loop, self.replay.serve(loop.time(), s.replay_call_s + rows * s.replay_sample_row_s) + self.half_rpc)
 
     async def _learner(self) -> None:
         d, s, r = self.sc.dqn, self.sc.sim, self.r
