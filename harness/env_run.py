@@ -21,6 +21,7 @@ from core.model.env_config import EnvScenario
 from core.model.owned import discard_owned, make_owned, remove_owned
 from core.runtimes.ray import cluster
 from core.runtimes.ray_env import check_fits, run_async
+from core.runtimes.sim_env import run_env_sim
 from harness import report
 from harness.plots import RETURN_FIGURES, reward_curves_png
 
@@ -75,10 +76,14 @@ def metrics(sc: EnvScenario, curve: EnvCurve) -> dict:
         "learner": curve.learner,
         **{k: v for k, v in curve.faults.items() if k.startswith("faults/")},
         "fault_records": curve.faults.get("records", []),
+        # The sim runtime's own figures (links, replay, weight fetches); a real run has none.
+        **({"sim": st["sim"]} if "sim" in st else {}),
     }
 
 
 def run_one(sc: EnvScenario, mode: str, seed: int, workdir: Path) -> EnvCurve:
+    if sc.runtime == "sim":
+        return run_env_sim(sc, mode, seed)
     return asyncio.run(run_sync(sc, seed)) if mode == "sync" else run_async(sc, seed, workdir=workdir)
 
 
@@ -90,7 +95,7 @@ def main(sc: EnvScenario, out: Path, console: Console, plots: bool) -> dict:
         env = report.environment()
         per_mode: dict[str, dict[int, dict]] = {m: {} for m in sc.modes}
         curves: dict[str, list[dict]] = {m: [] for m in sc.modes}
-        needs_ray = "async" in sc.modes
+        needs_ray = "async" in sc.modes and sc.runtime == "ray"
         with cluster(sc.ray.address, sc.ray.num_cpus) if needs_ray else contextlib.nullcontext():
             if needs_ray:
                 check_fits(sc)  # before any mode runs
@@ -100,6 +105,9 @@ def main(sc: EnvScenario, out: Path, console: Console, plots: bool) -> dict:
                     m = metrics(sc, curve)
                     got = (f"reached {sc.env.target_return:g} after {m['time_to_target_s']:.1f} s, {m['env_steps_to_target']:,} env steps"
                            if m["reached_target"] else f"did not reach {sc.env.target_return:g}")
+                    if "sim" in m:
+                        got = (f"simulated, busiest link {m['sim']['link_busy_max']:.0%}, replay busy "
+                               f"{m['sim']['replay_busy']:.0%}, {m['sim']['weight_fetches']:,} weight fetches")
                     console.print(f"{sc.name} seed {seed}, {mode}: {got}; {m['env_steps']:,} env steps, {m['updates']:,} updates "
                                   f"in {m['train_s']:.1f} s", highlight=False)
                     per_mode[mode][seed] = m
@@ -117,7 +125,7 @@ def main(sc: EnvScenario, out: Path, console: Console, plots: bool) -> dict:
             "reached": {m: sum(r["reached_target"] for r in runs.values()) for m, runs in per_mode.items()},
         }
         report.write_json(staging / "summary.json", summary)
-        if plots:
+        if plots and sc.runtime != "sim":  # a sim run evaluates nothing
             reward_curves_png(curves, sc.env.target_return, f"{sc.name}: greedy evaluation return ({sc.env.eval_episodes} episodes)",
                               staging, figures=RETURN_FIGURES, ylabel="mean evaluation return", per_seed=True)
         remove_owned(out, "run")
@@ -130,15 +138,15 @@ def main(sc: EnvScenario, out: Path, console: Console, plots: bool) -> dict:
 
 def table(sc: EnvScenario, summary: dict) -> Table:
     n = len(summary["seeds"])
-    t = Table(title=f"{sc.name}: time to a mean evaluation return of {sc.env.target_return:g}"
-                    + (f", mean (min..max) over {n} seeds" if n > 1 else ""))
+    what = "simulated throughput, nothing evaluated" if sc.runtime == "sim" else f"time to a mean evaluation return of {sc.env.target_return:g}"
+    t = Table(title=f"{sc.name}: {what}" + (f", mean (min..max) over {n} seeds" if n > 1 else ""))
     for col in ("mode", "reached", "time to target, s", "env steps to target", "env steps/s", "updates/s",
                 "samples/insert", "policy lag, versions", "sampler waited, s", "learner waited, s", "chunks dropped / lost",
                 "final return"):
         t.add_column(col, justify="left" if col == "mode" else "right")
     for mode, figs in summary["modes"].items():
         t.add_row(
-            mode, f"{summary['reached'][mode]}/{n}",
+            mode, "-" if sc.runtime == "sim" else f"{summary['reached'][mode]}/{n}",
             _fmt(figs["time_to_target_s"], "{:.1f}"), _fmt(figs["env_steps_to_target"], "{:,.0f}"),
             _fmt(figs["env_steps_per_s"], "{:,.0f}"), _fmt(figs["updates_per_s"], "{:,.0f}"),
             _fmt(figs["samples_per_insert"], "{:.1f}"), _fmt(figs["policy_lag_mean"], "{:.1f}"),

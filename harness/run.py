@@ -33,7 +33,7 @@ from core.runtimes.ray import cluster
 from core.runtimes.ray_env import PlacementError
 from core.runtimes.run_checkpoint import load_run, scenario_digest
 from core.store.checkpoint import CheckpointError
-from core.model.config import with_changes
+from core.model.config import ConfigError, with_changes
 from core.env.wiring import env_space
 from core.model.env_config import EnvScenario
 from core.model.owned import discard_owned, is_owned, make_owned, remove_owned, replaceable, stamp
@@ -100,11 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         sc = variants[0].scenario
         try:
             summary = env_run.main(sc, out, console, plots=not args.no_plots)
-        except PlacementError as exc:  # what only the cluster can tell, before any actor starts
+        except (PlacementError, ConfigError) as exc:  # what only the cluster (or env.id) can tell, before any actor starts
             err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             return 2
         console.print(env_run.table(sc, summary))
-        figures = [] if args.no_plots else [name for _, name, _ in RETURN_FIGURES]
+        figures = [] if args.no_plots or sc.runtime == "sim" else [name for _, name, _ in RETURN_FIGURES]
         console.print(f"reports in {out}: summary.json, seed-<s>/<mode>/report.json" + "".join(f", {f}" for f in figures), highlight=False)
         return 0
 
@@ -183,6 +183,8 @@ def _check_env_run(variants: list[Variant], out: Path, args) -> None:
     if not replaceable(out, "run", "summary.json"):
         raise ScenarioError(f"--out {out}: exists and is not a run directory asyncrl created; fix: pass a new directory")
     sc = variants[0].scenario
+    if sc.runtime == "sim" and sc.sim.row_bytes is not None and sc.sim.param_bytes is not None:
+        return  # env.id is then a label: the sim never makes the environment
     try:
         env_space(sc)  # the environment is made once here, so a bad id is refused before anything runs
     except ValueError as exc:  # one the wiring refused, with its fix

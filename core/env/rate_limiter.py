@@ -21,15 +21,14 @@ from which neither side may move, and both would wait forever; the constructor r
 band, given the largest requests the two sides will make.
 
 The limiter is asyncio, for one event loop: the replay's own (a Ray async actor runs every call
-on one loop). It reports how long each side waited, which is the figure a user needs to see
-which side to scale.
+on one loop), or the sim's virtual-clock loop. It reports how long each side waited, on its loop's
+clock, which is the figure a user needs to see which side to scale.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-import time
 from typing import Optional
 
 from core.pipeline.staleness_queue import QueueClosed
@@ -152,7 +151,7 @@ class RateLimiter:
             return
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        t0 = time.perf_counter()
+        t0 = loop.time()  # the loop's clock: virtual seconds on the sim's virtual-clock loop
         self.blocked_calls[side] += 1
         try:
             while not allowed(rows):
@@ -163,7 +162,7 @@ class RateLimiter:
                 left = None if deadline is None else max(0.0, deadline - loop.time())
                 await asyncio.wait_for(fut, left)
         finally:
-            self.blocked_s[side] += time.perf_counter() - t0
+            self.blocked_s[side] += loop.time() - t0
 
     def _wake(self) -> None:
         # Every waiter re-checks its own condition; there are two sides, so few waiters.

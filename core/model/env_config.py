@@ -177,6 +177,56 @@ class EnvFaultSpec(_Frozen):
     """When: the first poll of the driver that sees the store past this many env steps."""
 
 
+class EnvSimSpec(_Frozen):
+    """What the sim runtime charges for each part of the env pipeline (core/sim/env_pipeline.py).
+    Sizes in bytes, times in seconds. The cost defaults were measured on the 2-core development
+    machine for CartPole-v1 with this file's DQN defaults (bench/env_sim_costs.py), under a load
+    average of about 7 from other work: docs/results/2026-12-01-env-sim.md."""
+
+    machines: int = Field(1, ge=1)
+    """Machines the samplers are spread over, round-robin from machine 0. The replay and the learner
+    sit on machine 0 (Ray's head node), so that machine's samplers send without crossing a NIC."""
+    cores_per_machine: int | None = Field(None, ge=1)
+    """CPU cores of each machine; the samplers on a machine, and the learner on machine 0, share
+    them, and a sampler's compute slows by how far they oversubscribe them. None: a core each."""
+    nic_gbit_s: float = Field(10.0, gt=0)
+    """Each machine's network link, each way (full duplex), in Gbit/s (seed 003: 10 Gbit/s). A
+    transfer holds the sender's outgoing and the receiver's incoming link at once, first come first served."""
+    rpc_latency_s: float = Field(3.0e-3, ge=0)
+    """What one actor call costs its caller beyond its bytes and the replay's own work: Ray's submit,
+    the codec record both ways, the round trip. Per chunk and per weight fetch (measured: an awaited
+    call carrying a CartPole chunk, one machine)."""
+    env_step_s: float = Field(1.2e-4, ge=0)
+    """One environment's step, with the sampler's own bookkeeping of its row (measured: CartPole-v1,
+    a sampler's collect less its forward passes, per env)."""
+    forward_s: float = Field(4.2e-4, ge=0)
+    """The policy's forward pass per vector step, fixed part (measured: the 256x256 MLP with
+    epsilon-greedy, one torch thread)."""
+    forward_env_s: float = Field(2.6e-6, ge=0)
+    """The forward pass's added cost per environment in the batch (measured, as ``forward_s``)."""
+    learner_update_s: float = Field(6.1e-3, gt=0)
+    """One learner update on one minibatch of ``dqn.batch_size`` rows (measured: DQNLearner.update,
+    64 rows, one torch thread)."""
+    replay_call_s: float = Field(1.6e-4, ge=0)
+    """The replay's own work per call (insert or sample), one call at a time: it is one actor
+    (measured: TransitionReplay.insert and sample + update_priorities in process, one line
+    through both)."""
+    replay_insert_row_s: float = Field(7.2e-9, ge=0)
+    """The replay's added work per row inserted (measured, as ``replay_call_s``)."""
+    replay_sample_row_s: float = Field(7.2e-9, ge=0)
+    """The replay's added work per row sampled, its new priority included (measured, as ``replay_call_s``)."""
+    row_bytes: int | None = Field(None, ge=1)
+    """Bytes of one row on the wire. None: the replay's columns for ``env.id`` (core/env/wiring.py
+    replay_spec): two float32 observations, an int64 action, float32 reward, discount and log-prob,
+    an int64 version, 8 x obs + 28 bytes; ``env.id`` is made once to read its observation size."""
+    param_bytes: int | None = Field(None, ge=1)
+    """Bytes of one weight version a sampler fetches. None: the float32 Q-network of ``dqn.hidden``
+    on ``env.id``'s observation size and action count."""
+    jitter: float = Field(0.05, ge=0, lt=1)
+    """Each chunk's compute time is scaled by a seeded draw from 1 ± jitter: real samplers drift
+    apart, and equal costs would keep simulated ones in lockstep, all sending at once."""
+
+
 class EnvScenario(_Frozen):
     """One env workload, run in one or more modes."""
 
@@ -206,6 +256,35 @@ class EnvScenario(_Frozen):
     """Async mode's Ray instance and actors."""
     faults: tuple[EnvFaultSpec, ...] = ()
     """Faults injected into async runs (a sync run has no actors to kill)."""
+    runtime: Literal["ray", "sim"] = "ray"
+    """Where async mode runs: ``ray`` as actors; ``sim`` models both modes on the virtual clock from
+    the ``sim`` costs (no environment is stepped, nothing is learned)."""
+    sim: EnvSimSpec = EnvSimSpec()
+    """The sim runtime's costs and machines."""
+
+    @model_validator(mode="after")
+    def _sim_fits(self) -> "EnvScenario":
+        s = self.sim
+        if self.runtime != "sim":
+            return self
+        if self.learner != "dqn":
+            raise ConfigError(
+                "learner", self.learner, "the sim runtime models the replay pipeline (samplers, replay, learner), not PPO's queue",
+                "use learner: dqn with replay.samples_per_insert as the epochs (scenarios/seed003-sim.yaml), or runtime: ray",
+            )
+        if self.faults:
+            raise ConfigError("faults", "[...]", "the sim runtime has no actors to kill", "remove faults, or use runtime: ray")
+        if "async" in self.modes and s.machines > self.env.samplers:
+            raise ConfigError(
+                "sim.machines", s.machines, f"is more machines than env.samplers = {self.env.samplers}, so some would hold no sampler",
+                f"use at most {self.env.samplers} machines, or more samplers",
+            )
+        if s.env_step_s == 0 and s.forward_s == 0 and s.forward_env_s == 0:
+            raise ConfigError(
+                "sim.env_step_s", 0.0, "with sim.forward_s and sim.forward_env_s also 0, a sampler steps in no time at all",
+                "give the environment step or the forward pass a cost",
+            )
+        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> "EnvScenario":
