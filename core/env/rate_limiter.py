@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections import deque
 from typing import Optional
 
 from core.pipeline.staleness_queue import QueueClosed
@@ -78,7 +79,8 @@ class RateLimiter:
         self.blocked_s = {"insert": 0.0, "sample": 0.0}
         self.blocked_calls = {"insert": 0, "sample": 0}
         self._closed = False
-        self._waiters: list[asyncio.Future] = []
+        # Per side, the waiting requests in order: (rows, future).
+        self._waiters: dict[str, deque[tuple[int, asyncio.Future]]] = {"insert": deque(), "sample": deque()}
 
     @property
     def lag(self) -> float:
@@ -153,20 +155,31 @@ class RateLimiter:
         deadline = None if timeout is None else loop.time() + timeout
         t0 = loop.time()  # the loop's clock: virtual seconds on the sim's virtual-clock loop
         self.blocked_calls[side] += 1
+        queue = self._waiters[side]
+        woken = False
         try:
             while not allowed(rows):
                 if self._closed:
                     raise LimiterClosed(f"{side} of {rows} rows: the limiter was closed while it waited")
                 fut = loop.create_future()
-                self._waiters.append(fut)
+                # Woken and still refused (another request took the room first): it keeps its place.
+                (queue.appendleft if woken else queue.append)((rows, fut))
                 left = None if deadline is None else max(0.0, deadline - loop.time())
                 await asyncio.wait_for(fut, left)
+                woken = True
         finally:
             self.blocked_s[side] += loop.time() - t0
+            self._wake()  # admitted or gone: the next in line may go now
 
     def _wake(self) -> None:
-        # Every waiter re-checks its own condition; there are two sides, so few waiters.
-        waiters, self._waiters = self._waiters, []
-        for f in waiters:
-            if not f.done():
-                f.set_result(None)
+        # Only the first waiter of each side, and only if it may go: 32 samplers can wait at once,
+        # and waking every one on every change cost the sim most of its time. Each request
+        # admitted or gone wakes the next, so none is left waiting while it could go.
+        for side, allowed in (("insert", self.can_insert), ("sample", self.can_sample)):
+            queue = self._waiters[side]
+            while queue and queue[0][1].done():
+                queue.popleft()
+            while queue and (self._closed or allowed(queue[0][0])):
+                queue.popleft()[1].set_result(None)
+                if not self._closed:
+                    break
