@@ -260,7 +260,7 @@ def _timed_classes(collector, variant: str):
 
             self.sampler.collect = timed_collect
 
-        async def _take_weights(self) -> None:
+        async def _take_weights(self, at_least: int = 0) -> None:
             t0 = time.perf_counter()
             if variant == "fetch" and self._offer is not None:
                 # Seed 003's sampler: pull the newest weights before every send, new or not.
@@ -268,7 +268,7 @@ def _timed_classes(collector, variant: str):
                 self.policy.set_weights(await ref, version)
                 self.weights_fetched += 1
             else:
-                await super()._take_weights()
+                await super()._take_weights(at_least)
             self.timers["weights_s"] += time.perf_counter() - t0
 
         async def run(self, replay, env_steps: int) -> dict:
