@@ -34,6 +34,9 @@ def test_async_run_accounts_for_every_chunk_and_row(ray_session):
     assert curve.versions == curve.updates // 32 > 0
     assert all(n >= 1 for n in st["weights_fetched"])
     assert min(curve.policy_lag) >= 0
+    # Through ParamSync: one put per version of the whole Q-network (float32), inside the sync's time.
+    assert curve.learner["weight_bytes"] == 4 * (4 * 64 + 64 + 64 * 64 + 64 + 64 * 2 + 2)
+    assert 0 < curve.learner["put_s"] <= curve.learner["publish_s"]
     # Evaluations ran as remote tasks while training went on, and came back in order.
     assert len(curve.eval_return) >= 2 and curve.env_steps == sorted(curve.env_steps)
 

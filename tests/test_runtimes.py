@@ -129,7 +129,7 @@ def test_reward_served_in_a_run(ray_session, tiny_model_dir):
 
 
 def test_weights_are_put_once_per_version(ray_session):
-    from core.runtimes.ray import ObjectStoreTransfer
+    from core.runtimes.object_store_transfer import ObjectStoreTransfer
 
     class Backend:
         def __init__(self):
@@ -139,12 +139,13 @@ def test_weights_are_put_once_per_version(ray_session):
             self.calls += 1
             return {"w": np.full(4, float(self.calls), dtype=np.float32)}
 
-    t = ObjectStoreTransfer(Backend())
+    t = ObjectStoreTransfer(Backend(), ray_session.put)
     refs = [asyncio.run(t.send(v)) for v in (1, 2)]
     assert all(len(r) == 1 and isinstance(r[0], ray_session.ObjectRef) for r in refs)
     assert t.latest[0] == 2 and t.latest[1][0] == refs[1][0]
     assert ray_session.get(refs[1][0])["w"][0] == 2.0
     assert t.backend.calls == 2
+    assert t.bytes == 16 and t.put_s > 0
 
 
 def test_profile_writes_flame_graphs_for_driver_and_actors(ray_session, tiny_model_dir, tmp_path):

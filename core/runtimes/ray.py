@@ -47,6 +47,7 @@ from core.real.reward import ServeReward, TaskPrompts, TaskReward, deploy_reward
 from core.real.tiny_model import ensure
 from core.real.workers import REAL_RUNTIME_ENV, make_backend, make_engine
 from core.runtimes.local import ProcessesFn
+from core.runtimes.object_store_transfer import ObjectStoreTransfer
 from core.runtimes.run_checkpoint import checkpoint_dir, restore_trainer_side, save_trainer_side
 from core.runtimes.supervision import FaultInjector, strike, supervise_trainer
 from core.sim.workload import Workload
@@ -415,22 +416,6 @@ class RolloutProxy:
         await _timed(self.handle.resume.remote(), self.control_s, "rollouter", "resume")
 
 
-class ObjectStoreTransfer:
-    """``ray.put`` the trainer's weights once per version; every engine gets that one ObjectRef."""
-
-    def __init__(self, backend: Any) -> None:
-        self.backend = backend
-        self.latest: tuple[int, list] = (0, [])
-        self.bytes = 0
-
-    async def send(self, version: int) -> list:
-        weights = await asyncio.to_thread(self.backend.weights)
-        self.bytes = sum(w.nbytes for w in weights.values())
-        ref = _ray().put(weights)
-        self.latest = (version, [ref])
-        return [ref]
-
-
 class TrainerHost:
     """The Trainer, its ParamSync and the torch GRPO backend, with the trained half of the ledger."""
 
@@ -439,7 +424,7 @@ class TrainerHost:
         self.rollout = rollout
         self.resynced_at: Optional[float] = None
         self.backend = make_backend(sc, threads)
-        self.transfer = ObjectStoreTransfer(self.backend)
+        self.transfer = ObjectStoreTransfer(self.backend, _ray().put)
         self.timeline = Timeline()
         self.ledger = Ledger(trained_bound(sc, mode), reuse=sc.replay.enabled)
         self.trainer = None

@@ -31,6 +31,7 @@ import numpy as np
 import ray
 import torch
 
+from core.api import PauseMode
 from core.env.evaluation import episode_returns
 from core.env.segment_queue import SegmentQueue, batch_columns
 from core.env.sync_loop import EnvCurve
@@ -39,7 +40,9 @@ from core.env.wiring import EVAL_SEED, beta_at, learner_threads, make_learner, m
 from core.model.env_config import EnvScenario
 from core.model.faults import FaultLog
 from core.model.owned import discard_owned, make_owned
+from core.pipeline.param_sync import ParamSync
 from core.pipeline.staleness_queue import QueueClosed
+from core.runtimes.object_store_transfer import ObjectStoreTransfer
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +127,25 @@ class SamplerHost:
         self.weights_fetched += 1
 
 
+class SamplerFleet:
+    """ParamSync's rollout side for the samplers. A sampler is never paused: it acts on the
+    weights it holds and takes the newest at its next chunk, so a sync is one put and one
+    offer per sampler, and the learner does not wait for any sampler."""
+
+    def __init__(self, samplers: list) -> None:
+        self.samplers = samplers
+
+    async def pause(self, mode: PauseMode) -> None:
+        pass
+
+    async def update_weights(self, version: int, weights: list) -> None:
+        for s in self.samplers:
+            s.offer.remote(version, weights)
+
+    async def resume(self) -> None:
+        pass
+
+
 class LearnerHost:
     """The learner actor. DQN: samples ``dqn.batches_per_call`` batches per call, updates on each,
     sends their priorities back in one call, and publishes weights every ``dqn.publish_every``
@@ -140,8 +162,8 @@ class LearnerHost:
         # Where the learner's time goes: its own updates (publishing included), against waiting
         # for a sample (held back by the rate limit, or by the replay actor's answer).
         self.update_s = self.sample_wait_s = 0.0
-        self._latest: list = []
-        self._samplers: list = []
+        self.transfer = ObjectStoreTransfer(self.learner, ray.put)
+        self.param_sync = ParamSync(rollouter=SamplerFleet([]), transfer=self.transfer, mode="wait")
         self.trained_chunks = 0
         self.figures: list[dict] = []
         self.store_retries = 0
@@ -150,18 +172,17 @@ class LearnerHost:
     def _retried(self) -> None:
         self.store_retries += 1
 
-    def publish(self, samplers: list) -> int:
-        """Put the weights in the object store once and offer that reference to every sampler."""
-        self._samplers = samplers
-        ref = ray.put(self.learner.weights())
-        self._latest = [ref]
-        for s in samplers:
-            s.offer.remote(self.version, [ref])
+    async def publish(self, samplers: Optional[list] = None) -> int:
+        """Put the weights in the object store once and offer that reference to every sampler
+        (``samplers``: the fleet, given once by the driver)."""
+        if samplers is not None:
+            self.param_sync.rollouter = SamplerFleet(samplers)
+        await self.param_sync.sync(self.version)
         return self.version
 
     def latest(self) -> tuple[int, list]:
         """(version, [ObjectRef]) of the newest published weights."""
-        return self.version, self._latest
+        return self.transfer.latest
 
     async def run(self, store) -> dict:
         """Learn until the store closes."""
@@ -171,7 +192,8 @@ class LearnerHost:
             await self._run_dqn(store)
         out = {"updates": self.updates, "versions": self.version, "policy_lag": self.policy_lag,
                "update_s": self.update_s, "sample_wait_s": self.sample_wait_s, "trained_chunks": self.trained_chunks,
-               "store_retries": self.store_retries, "priority_updates_lost": self.priority_updates_lost}
+               "store_retries": self.store_retries, "priority_updates_lost": self.priority_updates_lost,
+               "publish_s": sum(self.param_sync.pause_s), "put_s": self.transfer.put_s, "weight_bytes": self.transfer.bytes}
         if self.figures:
             out["figures"] = {k: float(np.mean([f[k] for f in self.figures])) for k in self.figures[0]}
         return out
@@ -205,7 +227,7 @@ class LearnerHost:
             self.trained_chunks += len(fresh)
             self.figures.append({k: figs[k] for k in ("rho_mean", "rho_truncated", "clip_frac", "approx_kl")})
             self.version += 1
-            self.publish(self._samplers)
+            await self.publish()
             told.append(queue.set_version.remote(self.version))
             self.update_s += clock() - t1
         await asyncio.gather(*told)  # the queue's counts are complete before the driver reads them
@@ -250,7 +272,7 @@ class LearnerHost:
                 self.updates += 1
                 if self.updates % d.publish_every == 0:
                     self.version += 1
-                    self.publish(self._samplers)
+                    await self.publish()
             self.update_s += clock() - t1
             sent = replay.update_priorities.remote(slots, prio)
         if sent is not None:
@@ -370,7 +392,8 @@ def run_async(
         curve.train_s = time.perf_counter() - t0
         _collect(pending, evals, curve, e.target_return, wait=True)
         curve.updates, curve.versions, curve.policy_lag = learned["updates"], learned["versions"], learned["policy_lag"]
-        curve.learner = {k: learned[k] for k in ("update_s", "sample_wait_s", "store_retries", "priority_updates_lost")}
+        curve.learner = {k: learned[k] for k in (
+            "update_s", "sample_wait_s", "store_retries", "priority_updates_lost", "publish_s", "put_s", "weight_bytes")}
         curve.learner.update(learned.get("figures", {}))
         curve.trained_chunks = learned["trained_chunks"]
         curve.produced_chunks = sum(r["chunks"] for r in sampled)
