@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from core.env.rate_limiter import RateLimiter  # noqa: E402
 from core.env.transition_replay import TransitionReplay  # noqa: E402
 from core.env.wiring import learner_threads, make_learner, make_policy, make_sampler, replay_args  # noqa: E402
+from harness.report import load_average  # noqa: E402
 from harness.scenario import load_variants  # noqa: E402
 
 REPEATS = 7
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_ray:
         costs["rpc_latency_s"] = rpc_cost(sc)
     print(f"# {sc.env.id}, {sc.env.envs_per_sampler} envs per sampler, hidden {list(sc.dqn.hidden)}, batch {sc.dqn.batch_size}; "
-          f"/proc/loadavg {Path('/proc/loadavg').read_text().split()[:3]}")
+          f"loadavg {load_average()}")
     for k, v in costs.items():
         print(f'--set sim.{k}={v:.3g}')
     return 0

