@@ -1,10 +1,11 @@
-"""The pure helpers of two env bench scripts (bench/env_throughput.py, bench/profile_env_learner.py):
-which configurations run, the ratio to a baseline, and which category a py-spy stack is charged
-to. The scripts themselves take minutes and are not run here."""
+"""The pure helpers of the env bench scripts (bench/env_throughput.py, bench/profile_env_learner.py,
+bench/env_sim_check.py): which configurations run, the ratio to a baseline, which category a py-spy
+stack is charged to, and the sim set beside real rows. The scripts themselves take minutes and are not run here."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -87,3 +88,18 @@ def test_shares_leave_out_startup_waiting_and_frames_outside_the_loop(profile):
               (["run_sync (core/env/sync_loop.py:1)", "Thread.run (threading.py:982)"], 2)]
     counts, total, left_out, waiting = profile.shares(stacks, keep="run_sync")
     assert counts == {"gymnasium": 3} and total == 3 and left_out == 12 and waiting == 2
+
+
+def test_sim_check_sets_each_plain_configuration_beside_its_simulation(tmp_path, capsys):
+    check = _load("env_sim_check")
+    rows = [{"regime": "sampler-bound", "send_every": 10, "samplers": 1, "variant": v, "env_steps": 2_000,
+             "env_steps_per_s": 1_000.0, "updates_per_s": 5.0} for v in ("", "fetch")]
+    (tmp_path / "rows.json").write_text(json.dumps({"meta": {"commit": "abc"}, "rows": rows}))
+    assert check.main([str(tmp_path / "rows.json"), "--set", "sim.env_step_s=1e-3"]) == 0
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| sampler-bound")]
+    assert len(table) == 1  # the fetch variant changes the sampler, which the sim does not model
+    sim = float(table[0].split("|")[5].replace(",", ""))
+    assert 0 < sim <= 1_000  # 8 envs at 1 ms a step: one sampler cannot pass 1,000 env steps/s
+    with pytest.raises(SystemExit) as bad:
+        check.main([str(tmp_path / "rows.json"), "--set", "dqn.lr=1e-3"])
+    assert bad.value.code == 2
