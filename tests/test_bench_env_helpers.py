@@ -103,3 +103,15 @@ def test_sim_check_sets_each_plain_configuration_beside_its_simulation(tmp_path,
     with pytest.raises(SystemExit) as bad:
         check.main([str(tmp_path / "rows.json"), "--set", "dqn.lr=1e-3"])
     assert bad.value.code == 2
+
+
+def test_costs_fitted_on_a_baseline_make_the_sim_reproduce_it():
+    check = _load("env_sim_check")
+    # 1,000 vector steps of 8 envs at 0.4 ms, 100 chunks of 80 rows at 1 ms each way: 16,000 env steps/s.
+    sampler = {"env_steps": 8_000, "sampler_collect_s": 0.4, "sampler_insert_s": 0.1, "chunks": 100}
+    learner = {"learner_update_s": 0.3, "updates": 100}
+    real = {("sampler-bound", 10, 1): [sampler], ("learner-bound", 10, 1): [learner]}
+    costs = check.fitted(real, {"sim.replay_call_s": 1e-4})
+    assert costs["sim.learner_update_s"] == pytest.approx(3e-3) and costs["sim.replay_call_s"] == 1e-4
+    sim = check.simulated(check.Config("sampler-bound", 10, 1), 8_000, 0, costs)
+    assert sim["env_steps_per_s"] == pytest.approx(16_000, rel=0.05)
