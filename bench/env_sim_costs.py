@@ -5,7 +5,7 @@ actor call carrying a chunk.
     python bench/env_sim_costs.py [scenarios/cartpole-dqn.yaml] [--set KEY=VALUE ...] [--no-ray]
 
 Prints the figures as ``--set sim.KEY=VALUE`` lines for ``python -m harness.run``, so a sim
-run can be compared with a real one on the same machine (docs/results/2026-12-01-env-sim.md).
+run can be compared with a real one on the same machine (docs/results/2026-12-02-env-sim.md).
 Each figure is the median of several timed repeats; the machine's load average is printed
 beside them, since other processes inflate every one. Not part of ``make test``.
 """

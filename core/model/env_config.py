@@ -179,9 +179,11 @@ class EnvFaultSpec(_Frozen):
 
 class EnvSimSpec(_Frozen):
     """What the sim runtime charges for each part of the env pipeline (core/sim/env_pipeline.py).
-    Sizes in bytes, times in seconds. The cost defaults were measured on the 2-core development
-    machine for CartPole-v1 with this file's DQN defaults (bench/env_sim_costs.py), under a load
-    average of about 7 from other work: docs/results/2026-12-01-env-sim.md."""
+    Sizes in bytes, times in seconds. The cost defaults are CartPole-v1 with this file's DQN
+    defaults on the quiet 2-core development machine: the replay's measured alone
+    (bench/env_sim_costs.py); the sampler's compute, the round trip and the learner's update as the
+    Ray pipeline paid them (bench/env_sim_check.py --fit), 1.2-1.4x what they cost alone:
+    docs/results/2026-12-02-env-sim.md."""
 
     machines: int = Field(1, ge=1)
     """Machines the samplers are spread over, round-robin from machine 0. The replay and the learner
@@ -192,28 +194,28 @@ class EnvSimSpec(_Frozen):
     nic_gbit_s: float = Field(10.0, gt=0)
     """Each machine's network link, each way (full duplex), in Gbit/s (seed 003: 10 Gbit/s). A
     transfer holds the sender's outgoing and the receiver's incoming link at once, first come first served."""
-    rpc_latency_s: float = Field(3.0e-3, ge=0)
+    rpc_latency_s: float = Field(2.3e-3, ge=0)
     """What one actor call costs its caller beyond its bytes and the replay's own work: Ray's submit,
-    the codec record both ways, the round trip. Per chunk and per weight fetch (measured: an awaited
-    call carrying a CartPole chunk, one machine)."""
-    env_step_s: float = Field(1.2e-4, ge=0)
-    """One environment's step, with the sampler's own bookkeeping of its row (measured: CartPole-v1,
-    a sampler's collect less its forward passes, per env)."""
-    forward_s: float = Field(4.2e-4, ge=0)
-    """The policy's forward pass per vector step, fixed part (measured: the 256x256 MLP with
-    epsilon-greedy, one torch thread)."""
-    forward_env_s: float = Field(2.6e-6, ge=0)
-    """The forward pass's added cost per environment in the batch (measured, as ``forward_s``)."""
-    learner_update_s: float = Field(6.1e-3, gt=0)
-    """One learner update on one minibatch of ``dqn.batch_size`` rows (measured: DQNLearner.update,
-    64 rows, one torch thread)."""
-    replay_call_s: float = Field(1.6e-4, ge=0)
+    the codec record both ways, the round trip. Per chunk and per weight fetch (fitted: a sampler's
+    insert of an 80-row CartPole chunk in the pipeline, one machine; 1.6 ms alone)."""
+    env_step_s: float = Field(3.0e-5, ge=0)
+    """One environment's step, with the sampler's own bookkeeping of its row (CartPole-v1: a
+    sampler's collect less its forward passes, per env, measured alone and scaled as fitted)."""
+    forward_s: float = Field(1.4e-4, ge=0)
+    """The policy's forward pass per vector step, fixed part (the 256x256 MLP with epsilon-greedy,
+    one torch thread; measured alone and scaled as ``env_step_s``)."""
+    forward_env_s: float = Field(2.8e-6, ge=0)
+    """The forward pass's added cost per environment in the batch (as ``forward_s``)."""
+    learner_update_s: float = Field(3.0e-3, gt=0)
+    """One learner update on one minibatch of ``dqn.batch_size`` rows, its share of publishing
+    included (fitted: the learner actor's updates, 64 rows, one torch thread; 2.4 ms alone)."""
+    replay_call_s: float = Field(2.4e-5, ge=0)
     """The replay's own work per call (insert or sample), one call at a time: it is one actor
     (measured: TransitionReplay.insert and sample + update_priorities in process, one line
     through both)."""
-    replay_insert_row_s: float = Field(7.2e-9, ge=0)
+    replay_insert_row_s: float = Field(2.7e-7, ge=0)
     """The replay's added work per row inserted (measured, as ``replay_call_s``)."""
-    replay_sample_row_s: float = Field(7.2e-9, ge=0)
+    replay_sample_row_s: float = Field(1.2e-7, ge=0)
     """The replay's added work per row sampled, its new priority included (measured, as ``replay_call_s``)."""
     row_bytes: int | None = Field(None, ge=1)
     """Bytes of one row on the wire. None: the replay's columns for ``env.id`` (core/env/wiring.py
