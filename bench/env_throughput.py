@@ -525,6 +525,8 @@ def plot(rows: list[dict], alone: list[dict], path: Path, load: str = "?") -> No
                 shares[(se, variant)] = [sum(r[k] for r in same) / loop for k, _, _ in parts]
                 labels.append(f"{se}{SHORT[variant]}")
     keys = list(shares)
+    ran = {r["variant"] for r in rows}
+    legend = "; ".join(f"{SHORT[v].strip()}: {VARIANTS[v]}" for v in VARIANTS if v and v in ran)
     bottom = np.zeros(len(keys))
     for i, (_, name, color) in enumerate(parts):
         vals = np.array([shares[k][i] for k in keys])
@@ -532,7 +534,7 @@ def plot(rows: list[dict], alone: list[dict], path: Path, load: str = "?") -> No
         bottom += vals
     c.bar(range(len(keys)), 1 - bottom, bottom=bottom, color="#eeeeee", label="other")
     c.set_xticks(range(len(keys)), labels, fontsize=8)
-    c.set_xlabel("send_every, sampler-bound, 1 sampler; (003): fetch every chunk, (ov): insert overlapped")
+    c.set_xlabel("send_every, sampler-bound, 1 sampler" + (f"; {legend}" if legend else ""))
     c.set_ylabel("share of the sampler's loop")
     c.set_ylim(0, 1)
     c.legend(fontsize=7, loc="lower right")
@@ -547,7 +549,7 @@ def plot(rows: list[dict], alone: list[dict], path: Path, load: str = "?") -> No
         d.bar(range(len(confs)), vals, bottom=bottom, color=color, label=name)
         bottom += vals
     d.set_xticks(range(len(confs)), [f"{k[1]}/{k[2]}{SHORT[k[3]]}" for k in confs], fontsize=8, rotation=30)
-    d.set_xlabel("send_every/samplers, sampler-bound; (003): fetch every chunk, (ov): insert overlapped")
+    d.set_xlabel("send_every/samplers, sampler-bound" + (f"; {legend}" if legend else ""))
     d.set_ylabel("process CPU µs per env step (actors' own CPU)")
     d.legend(fontsize=7)
     for ax in (a, b, c, d):
