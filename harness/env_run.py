@@ -74,6 +74,7 @@ def metrics(sc: EnvScenario, curve: EnvCurve) -> dict:
         "chunks_dropped_stale": dropped,
         "chunks_lost": curve.produced_chunks - accounted,
         "learner": curve.learner,
+        "evaluations_lost": curve.evaluations_lost,
         **{k: v for k, v in curve.faults.items() if k.startswith("faults/")},
         "fault_records": curve.faults.get("records", []),
         # The sim runtime's own figures (links, replay, weight fetches); a real run has none.

@@ -12,6 +12,7 @@ import torch
 
 from core.env.dqn import MIN_PRIORITY, DQNLearner, EpsilonGreedy
 from core.env.sync_loop import run_sync
+from core.store import checkpoint
 from core.model.config import with_changes
 from core.model.env_config import EnvScenario
 
@@ -32,8 +33,8 @@ def test_epsilon_greedy_reports_the_probability_of_the_action_it_took():
         EpsilonGreedy(4, 3, HIDDEN, eps_start=0.1, eps_end=0.5, eps_decay_steps=10, seed=0)
 
 
-def fixed_batch(n: int = 32, discount: float = 0.0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
+def fixed_batch(n: int = 32, discount: float = 0.0, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
     obs = rng.normal(size=(n, 4)).astype(np.float32)
     return {
         "obs": obs,
@@ -56,6 +57,26 @@ def test_priorities_are_the_td_errors_of_the_double_dqn_target():
     prio, st = ler.update(b, np.ones(32))
     assert np.allclose(prio, np.abs((y - q).numpy()) + MIN_PRIORITY, atol=1e-6)
     assert st["grad_norm"] > 0
+
+
+def test_a_learner_restored_from_its_state_goes_on_exactly_as_the_original(tmp_path):
+    """Networks, Adam's moments and step, the update count (the target net's schedule): through a
+    checkpoint on disk, the next updates match bit for bit."""
+    torch.set_num_threads(1)
+    first = DQNLearner(4, 2, HIDDEN, lr=1e-3, target_every=3, grad_clip=10.0, seed=0)
+    batches = [fixed_batch(discount=0.9, seed=k) for k in range(6)]
+    for b in batches[:4]:
+        first.update(b, np.ones(32))
+    counters, arrays = first.state()
+    path = checkpoint.save(tmp_path, 4, checkpoint.Snapshot(state=counters), tensors=arrays)
+    restored = DQNLearner(4, 2, HIDDEN, lr=1e-3, target_every=3, grad_clip=10.0, seed=1)
+    restored.load_state(checkpoint.load(path).state, {k: checkpoint.load_tensors(path, k) for k in arrays})
+    for b in batches[4:]:
+        a, _ = first.update(b, np.ones(32))
+        r, _ = restored.update(b, np.ones(32))
+        assert np.array_equal(a, r)
+    assert restored.updates == first.updates == 6
+    assert all(np.array_equal(v, restored.weights()[k]) for k, v in first.weights().items())
 
 
 def test_with_no_bootstrap_q_learns_the_reward_and_the_target_net_follows_on_schedule():
@@ -112,6 +133,12 @@ def test_sync_dqn_is_deterministic_for_a_seed():
     ({"modes": ["sync", "sync"]}, r"modes = \['sync', 'sync'\]: a mode is listed twice"),
     ({"seeds": [0, -1]}, r"seeds = \[0, -1\]: seeds must be distinct and not negative"),
     ({"dqn.hidden": [64, 0]}, r"dqn.hidden = \[64, 0\]: every layer needs a width of at least 1"),
+    ({"faults": [{"target": "learner", "at_env_steps": 10}]},
+     r"faults.0.target = 'learner': a learner that keeps no checkpoint cannot come back; fix: set ray.learner_checkpoint_every"),
+    ({"learner": "ppo", "ray.learner_checkpoint_every": 5, "faults": [{"target": "learner", "at_env_steps": 10}]},
+     r"ray.learner_checkpoint_every = 5: only the DQN learner is checkpointed"),
+    ({"learner": "ppo", "faults": [{"target": "learner", "at_env_steps": 10}]},
+     r"faults.0.target = 'learner': PPO's learner holds chunks the queue has already handed out"),
 ])
 def test_a_bad_env_scenario_is_one_error_naming_the_key(changes, match):
     with pytest.raises(ValueError, match=match):

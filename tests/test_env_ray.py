@@ -87,3 +87,23 @@ def test_killing_a_sampler_and_the_replay_mid_run_loses_no_chunk(ray_session):
     assert curve.produced_chunks == st["chunks"] == st["sampler_chunks"]
     assert st["env_steps"] >= 6_000 and curve.updates > 0
     assert st["rows_inserted"] == st["inserts"] and st["rows_sampled"] == st["samples"]
+
+
+def test_killing_the_learner_mid_run_goes_on_from_its_checkpoint(ray_session):
+    """The learner actor is killed; Ray restarts it from its latest checkpoint. It offers its
+    weights under a version past any the dead one published, and learns on from the replay,
+    which kept every row: the run finishes with every chunk counted."""
+    sc = with_changes(EnvScenario(), {
+        **QUICK, "ray.learner_checkpoint_every": 2, "faults": [{"target": "learner", "at_env_steps": 3_500}],
+    })
+    curve = run_async(sc, seed=0, stop_at_target=False)
+    st, ler = curve.replay, curve.learner
+    assert curve.faults["faults/injected"] == curve.faults["faults/recovered"] == 1 and ler["restarts"] == 1
+    # Restored from a checkpoint (every 2 versions), then numbered past what the dead one could publish.
+    assert ler["restored_from"] >= 2 and ler["restored_from"] % 2 == 0
+    assert curve.versions >= ler["restored_from"] + 2
+    # Nothing the samplers produced is missing; batches drawn for the dead learner were never trained.
+    assert curve.produced_chunks == st["chunks"] == st["sampler_chunks"] > 0
+    assert st["env_steps"] >= 6_000 and st["samples"] >= curve.updates * 64 > 0
+    assert all(n >= 1 for n in st["weights_fetched"]) and min(curve.policy_lag) >= 0
+

@@ -107,6 +107,27 @@ class DQNLearner:
     def weights(self) -> dict[str, np.ndarray]:
         return weights_of(self.online)
 
+    def state(self) -> tuple[dict, dict[str, dict[str, np.ndarray]]]:
+        """(counters, arrays by file stem): all a restarted learner needs to go on as this one would."""
+        adam = {}
+        for i, per_param in self.opt.state_dict()["state"].items():
+            for k, v in per_param.items():
+                adam[f"{i}.{k}"] = np.atleast_1d(v.detach().cpu().numpy() if torch.is_tensor(v) else np.asarray(v))
+        return {"updates": self.updates}, {"online": weights_of(self.online), "target": weights_of(self.target), "adam": adam}
+
+    def load_state(self, counters: dict, arrays: dict[str, dict[str, np.ndarray]]) -> None:
+        load_into(self.online, arrays["online"])
+        load_into(self.target, arrays["target"])
+        sd = self.opt.state_dict()
+        state: dict[int, dict] = {}
+        for key, v in arrays["adam"].items():
+            i, k = key.split(".", 1)
+            t = torch.from_numpy(np.array(v))
+            state.setdefault(int(i), {})[k] = t.reshape(()) if k == "step" else t
+        sd["state"] = state
+        self.opt.load_state_dict(sd)
+        self.updates = int(counters["updates"])
+
     def update(self, batch: dict[str, np.ndarray], weights: np.ndarray) -> tuple[np.ndarray, dict]:
         """One Adam step on a minibatch; returns the rows' new priorities and the step's figures."""
         # Copies: a batch from the replay actor arrives as read-only views of the object store.

@@ -63,6 +63,9 @@ class EnvCurve:
     """Chunks the samplers sent: each must be in the store's counts (the ledger's identity)."""
     trained_chunks: int = 0
     """PPO: chunks trained (each once)."""
+    evaluations_lost: int = 0
+    """Async mode: evaluations whose weights died with a learner before they were read (the
+    learner restarted; its next evaluation runs as usual)."""
     faults: dict = field(default_factory=dict)
     """Async mode with faults: ``faults/*`` figures (injected, recovered, recovery times) and the records."""
 

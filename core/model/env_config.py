@@ -157,7 +157,12 @@ class EnvRaySpec(_Frozen):
     replay: RoleSpec = RoleSpec(num_cpus=0.0, max_concurrency=64)
     """The store actor (DQN's replay, PPO's queue): bookkeeping and sampling, no network."""
     max_restarts: int = Field(3, ge=0)
-    """Times Ray restarts a sampler or replay actor that died, per actor."""
+    """Times Ray restarts a sampler, replay or (checkpointed) learner actor that died, per actor."""
+    learner_checkpoint_every: int = Field(0, ge=0)
+    """DQN: weight versions between the learner actor's checkpoints (its networks, Adam's state
+    and its counts, in a directory asyncrl creates and removes). A restarted learner goes on from
+    the latest, numbering its versions past any it published since. 0: none, and a dead learner
+    ends the run."""
     recovery_timeout_s: float = Field(60.0, gt=0)
     """How long a caller retries a restarting actor before the run fails with an error naming it."""
 
@@ -168,9 +173,10 @@ class EnvFaultSpec(_Frozen):
 
     kind: Literal["kill"] = "kill"
     """What happens: the actor's process ends."""
-    target: Literal["sampler", "replay"] = "sampler"
+    target: Literal["sampler", "replay", "learner"] = "sampler"
     """A sampler actor (it resumes at its next chunk; the one it was collecting was never sent),
-    or the DQN replay actor (it rebuilds from its journal: needs `replay.durable`)."""
+    the DQN replay actor (it rebuilds from its journal: needs `replay.durable`), or the DQN
+    learner actor (it goes on from its latest checkpoint: needs `ray.learner_checkpoint_every`)."""
     sampler: int = Field(0, ge=0)
     """Which sampler, from 0."""
     at_env_steps: int = Field(..., ge=1)
@@ -335,6 +341,9 @@ class EnvScenario(_Frozen):
         return self
 
     def _check_faults(self) -> None:
+        if self.ray.learner_checkpoint_every and self.learner != "dqn":
+            raise ConfigError("ray.learner_checkpoint_every", self.ray.learner_checkpoint_every,
+                              "only the DQN learner is checkpointed", "set it to 0, or use learner: dqn")
         if self.faults and "async" not in self.modes:
             raise ConfigError("faults", "[...]", "faults are injected into async runs, and modes has none", "add async to modes, or remove faults")
         for i, f in enumerate(self.faults):
@@ -345,6 +354,12 @@ class EnvScenario(_Frozen):
             if f.target == "replay" and self.learner != "dqn":
                 raise ConfigError(f"{key}.target", f.target, "PPO's queue is not journaled yet, so killing it would lose its chunks",
                                   "kill a sampler, or use learner: dqn")
+            if f.target == "learner" and self.learner != "dqn":
+                raise ConfigError(f"{key}.target", f.target, "PPO's learner holds chunks the queue has already handed out, "
+                                  "and would lose them", "kill a sampler, or use learner: dqn")
+            if f.target == "learner" and not self.ray.learner_checkpoint_every:
+                raise ConfigError(f"{key}.target", f.target, "a learner that keeps no checkpoint cannot come back",
+                                  "set ray.learner_checkpoint_every, e.g. 10")
             if f.target == "replay" and not self.replay.durable:
                 raise ConfigError(f"{key}.target", f.target, "a replay that is not journaled loses its rows when it dies",
                                   "set replay.durable: true")

@@ -41,6 +41,7 @@ from core.model.env_config import EnvScenario
 from core.model.faults import FaultLog
 from core.model.owned import discard_owned, make_owned
 from core.pipeline.param_sync import ParamSync
+from core.store import checkpoint
 from core.pipeline.staleness_queue import QueueClosed
 from core.runtimes.object_store_transfer import ObjectStoreTransfer
 
@@ -123,7 +124,12 @@ class SamplerHost:
         if self._offer is None or self._offer[0] <= self.policy.version:
             return
         version, (ref,) = self._offer
-        self.policy.set_weights(await ref, version)
+        try:
+            weights = await ref
+        except ray.exceptions.ObjectLostError:  # put by a learner that died: its restart offers newer ones
+            self._offer = None
+            return
+        self.policy.set_weights(weights, version)
         self.weights_fetched += 1
 
 
@@ -152,7 +158,7 @@ class LearnerHost:
     updates. PPO: takes ``ppo.chunks_per_batch`` chunks per call, trains on them, and publishes
     weights after each batch."""
 
-    def __init__(self, sc: EnvScenario, seed: int) -> None:
+    def __init__(self, sc: EnvScenario, seed: int, checkpoints: Optional[str] = None) -> None:
         torch.set_num_threads(learner_threads(sc))
         self.sc = sc
         self.learner = make_learner(sc, seed)
@@ -168,6 +174,32 @@ class LearnerHost:
         self.figures: list[dict] = []
         self.store_retries = 0
         self.priority_updates_lost = 0  # sent to a replay that died before it applied them
+        self.checkpoints = Path(checkpoints) if checkpoints else None
+        self.restored_from: Optional[int] = None
+        if self.checkpoints is not None and (path := checkpoint.latest(self.checkpoints)) is not None:
+            self._restore(path)
+
+    def _checkpoint(self) -> None:
+        counters, arrays = self.learner.state()
+        state = {"version": self.version, "updates": self.updates, "learner": counters, "update_s": self.update_s,
+                 "sample_wait_s": self.sample_wait_s, "store_retries": self.store_retries,
+                 "priority_updates_lost": self.priority_updates_lost}
+        snap = checkpoint.Snapshot(state=state, arrays={"policy_lag": np.asarray(self.policy_lag, np.float64)})
+        checkpoint.save(self.checkpoints, self.version, snap, tensors=arrays)
+
+    def _restore(self, path: Path) -> None:
+        """This actor was restarted: the learner as its latest checkpoint left it. Its versions go on
+        past any the dead one could have published since (fewer than ``learner_checkpoint_every``),
+        so that every sampler takes the next one."""
+        snap = checkpoint.load(path)
+        st = snap.state
+        self.learner.load_state(st["learner"], {k: checkpoint.load_tensors(path, k) for k in ("online", "target", "adam")})
+        self.updates, self.update_s, self.sample_wait_s = st["updates"], st["update_s"], st["sample_wait_s"]
+        self.store_retries, self.priority_updates_lost = st["store_retries"], st["priority_updates_lost"]
+        self.policy_lag = snap.arrays["policy_lag"].tolist()
+        self.restored_from = st["version"]
+        self.version = st["version"] + self.sc.ray.learner_checkpoint_every
+        log.info("learner restored from version %d (%d updates); goes on as version %d", st["version"], self.updates, self.version)
 
     def _retried(self) -> None:
         self.store_retries += 1
@@ -193,7 +225,8 @@ class LearnerHost:
         out = {"updates": self.updates, "versions": self.version, "policy_lag": self.policy_lag,
                "update_s": self.update_s, "sample_wait_s": self.sample_wait_s, "trained_chunks": self.trained_chunks,
                "store_retries": self.store_retries, "priority_updates_lost": self.priority_updates_lost,
-               "publish_s": sum(self.param_sync.pause_s), "put_s": self.transfer.put_s, "weight_bytes": self.transfer.bytes}
+               "publish_s": sum(self.param_sync.pause_s), "put_s": self.transfer.put_s, "weight_bytes": self.transfer.bytes,
+               "restored_from": self.restored_from}
         if self.figures:
             out["figures"] = {k: float(np.mean([f[k] for f in self.figures])) for k in self.figures[0]}
         return out
@@ -273,6 +306,8 @@ class LearnerHost:
                 if self.updates % d.publish_every == 0:
                     self.version += 1
                     await self.publish()
+                    if self.checkpoints is not None and self.version % self.sc.ray.learner_checkpoint_every == 0:
+                        self._checkpoint()
             self.update_s += clock() - t1
             sent = replay.update_priorities.remote(slots, prio)
         if sent is not None:
@@ -319,9 +354,13 @@ def run_async(
             num_cpus=sc.ray.sampler.num_cpus, max_concurrency=sc.ray.sampler.max_concurrency, max_restarts=sc.ray.max_restarts,
         ).remote(sc, seed, i) for i in range(e.samplers)
     ]
+    learner_dir = None
+    if sc.ray.learner_checkpoint_every:
+        learner_dir = make_owned(Path(workdir or tempfile.gettempdir()), ".asyncrl-learner-", LEARNER_KIND)
     learner = ray.remote(LearnerHost).options(
         num_cpus=sc.ray.learner.num_cpus, max_concurrency=sc.ray.learner.max_concurrency,
-    ).remote(sc, seed)
+        max_restarts=sc.ray.max_restarts if learner_dir is not None else 0,
+    ).remote(sc, seed, str(learner_dir) if learner_dir is not None else None)
     actors = [store, learner, *samplers]
     curve = EnvCurve()
     faults = FaultLog()
@@ -340,13 +379,19 @@ def run_async(
         steps = 0
         store_down_since: Optional[float] = None
         restarts = [0] * e.samplers
+        learner_restarts = 0
         while True:
             ray.wait(runs, num_returns=len(runs), timeout=poll_s)
             if ray.wait([learning], timeout=0)[0]:
-                # The learner ended while samplers still ran: only an error does that, and the
-                # samplers would wait on the rate limit for ever. Raise it now.
-                ray.get(learning)
-                raise RuntimeError("the learner stopped before the samplers did")
+                if learner_dir is not None and _died(learning):
+                    learner_restarts += 1
+                    learning = _restart_learner(learner, samplers, store, patience)
+                    faults.recovered("learner", time.perf_counter() - t0)
+                else:
+                    # The learner ended while samplers still ran: only an error does that, and the
+                    # samplers would wait on the rate limit for ever. Raise it now.
+                    ray.get(learning)
+                    raise RuntimeError("the learner stopped before the samplers did")
             for i, ref in enumerate(runs):
                 if ray.wait([ref], timeout=0)[0] and _died(ref):
                     restarts[i] += 1
@@ -368,12 +413,19 @@ def run_async(
             for k, f in enumerate(sc.faults):
                 if k not in fired and steps >= f.at_env_steps:
                     fired.add(k)
-                    target = f"sampler{f.sampler}" if f.target == "sampler" else "replay"
+                    target = f"sampler{f.sampler}" if f.target == "sampler" else f.target
                     faults.injected(f.kind, target, time.perf_counter() - t0)
-                    ray.kill(samplers[f.sampler] if f.target == "sampler" else store, no_restart=False)
+                    actor = {"sampler": samplers[f.sampler], "replay": store, "learner": learner}[f.target]
+                    ray.kill(actor, no_restart=False)
             if steps >= next_eval or len(done) == len(runs):
+                try:
+                    _, refs = ray.get(learner.latest.remote())
+                except ray.exceptions.RayActorError:
+                    refs = []  # the learner is restarting: evaluate at a later poll
+                if not refs:
+                    continue
+                (ref,) = refs
                 next_eval = (steps // e.eval_every + 1) * e.eval_every
-                _, (ref,) = ray.get(learner.latest.remote())
                 key = len(evals)
                 evals[key] = (steps, time.perf_counter() - t0)
                 share = -(-e.eval_episodes // eval_tasks)
@@ -393,8 +445,10 @@ def run_async(
         _collect(pending, evals, curve, e.target_return, wait=True)
         curve.updates, curve.versions, curve.policy_lag = learned["updates"], learned["versions"], learned["policy_lag"]
         curve.learner = {k: learned[k] for k in (
-            "update_s", "sample_wait_s", "store_retries", "priority_updates_lost", "publish_s", "put_s", "weight_bytes")}
+            "update_s", "sample_wait_s", "store_retries", "priority_updates_lost", "publish_s", "put_s", "weight_bytes",
+            "restored_from")}
         curve.learner.update(learned.get("figures", {}))
+        curve.learner["restarts"] = learner_restarts
         curve.trained_chunks = learned["trained_chunks"]
         curve.produced_chunks = sum(r["chunks"] for r in sampled)
         curve.replay = _served(lambda: store.stats.remote(), patience, "replay.stats")
@@ -411,9 +465,12 @@ def run_async(
             ray.kill(a)
         if journal_dir is not None:
             discard_owned(journal_dir, JOURNAL_KIND)
+        if learner_dir is not None:
+            discard_owned(learner_dir, LEARNER_KIND)
 
 
 JOURNAL_KIND = "replay-journal"
+LEARNER_KIND = "learner-checkpoints"
 
 
 class StoreLost(RuntimeError):
@@ -464,10 +521,19 @@ def _restart_sampler(i: int, incarnation: int, sampler, store, learner, per_samp
     if places:  # PPO's queue: the places the dead sampler reserved are free again
         _served(lambda: store.release.remote(i), patience, "store.release")
     _served(lambda: sampler.resume.remote(seq, env_steps, incarnation), patience, f"sampler{i}.resume")
-    version, refs = ray.get(learner.latest.remote())
-    sampler.offer.remote(version, refs)
+    version, refs = _served(lambda: learner.latest.remote(), patience, "learner.latest")
+    if refs:  # none from a learner that has just restarted: it offers its own once it has published
+        sampler.offer.remote(version, refs)
     log.info("sampler %d restarted (incarnation %d): resumes at chunk %d, %d env steps", i, incarnation, seq, env_steps)
     return sampler.run.remote(store, per_sampler)
+
+
+def _restart_learner(learner, samplers: list, store, patience: float):
+    """The learner actor died and Ray restarts it from its latest checkpoint: it offers its weights
+    to every sampler, then learns again from the replay, which kept every row."""
+    version = _served(lambda: learner.publish.remote(samplers), patience, "learner.publish")
+    log.info("learner restarted: goes on at version %d", version)
+    return learner.run.remote(store)
 
 
 def _sampler_result(i, ref, sampler, restarts, store, learner, patience, ppo) -> dict:
@@ -499,7 +565,13 @@ def _collect(pending: dict, evals: dict, curve: EnvCurve, target: float, wait: b
         if len(done) < len(refs):
             if not wait:
                 break  # keep the curve in order: a later evaluation waits for an earlier one
-        returns = np.concatenate(ray.get(refs))
+        try:
+            returns = np.concatenate(ray.get(refs))
+        except ray.exceptions.ObjectLostError:  # its weights died with the learner that put them
+            log.warning("evaluation %d lost: the learner that published its weights died", key)
+            curve.evaluations_lost += 1
+            del pending[key]
+            continue
         steps, wall = evals[key]
         curve.env_steps.append(steps)
         curve.wall_s.append(wall)
