@@ -16,6 +16,9 @@ per insert whichever side is faster; PPO's bounded queue holds the samplers back
 learner is slower. Either store reports how long each side waited.
 Evaluations run beside training on the same cores (num_cpus 0); their cost is part of what async
 mode pays here, where sync mode stops its clock while it evaluates.
+
+Actors that die come back (docs/env.md, Faults): a sampler at its next chunk, a journaled replay
+from its journal, a checkpointed DQN learner from its latest checkpoint.
 """
 
 from __future__ import annotations
