@@ -8,8 +8,8 @@ measured, beside the env steps/s the real Ray runs got.
 Costs measured alone leave out what the pipeline adds to each part on a shared machine; ``--fit``
 takes those from the two baselines and so tests the sim's structure on the other rows.
 
-The sim is given one machine with ``os.cpu_count()`` cores, the throughput bench's scenario
-changes and the same env steps. What it leaves out, and so what a gap here measures: the driver,
+The sim is given one machine with the cores the real run had (its rows' ``meta``), the throughput
+bench's scenario changes and the same env steps. What it leaves out, and so what a gap here measures: the driver,
 Ray's own processes and the codec's cost growing with a chunk's rows. Not part of ``make test``.
 """
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -29,9 +28,9 @@ from core.model.env_config import EnvScenario  # noqa: E402
 from core.runtimes.sim_env import run_env_sim  # noqa: E402
 
 
-def simulated(c: Config, env_steps: int, seed: int, costs: dict) -> dict:
+def simulated(c: Config, env_steps: int, seed: int, costs: dict, cores: int) -> dict:
     sc = with_changes(EnvScenario(), {
-        **scenario_changes(c, env_steps), "runtime": "sim", "sim.machines": 1, "sim.cores_per_machine": os.cpu_count(),
+        **scenario_changes(c, env_steps), "runtime": "sim", "sim.machines": 1, "sim.cores_per_machine": cores,
         **costs,
     })
     curve = run_env_sim(sc, "async", seed)
@@ -45,7 +44,8 @@ def fitted(real: dict[tuple, list[dict]], costs: dict) -> dict:
     samplers): the sampler's compute and its insert's round trip from the sampler-bound one, the
     learner's update (its publishing included) from the learner-bound one; the rest from
     ``costs`` or the defaults. The other rows then test only the sim's structure."""
-    sim, envs = EnvScenario().sim, EnvScenario().env.envs_per_sampler
+    default = EnvScenario()
+    sim, envs = default.sim, default.env.envs_per_sampler
     get = lambda k: costs.get(f"sim.{k}", getattr(sim, k))  # noqa: E731
     sb, lb = real[("sampler-bound", *BASELINE)], real[("learner-bound", *BASELINE)]
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     for (regime, send_every, samplers), rs in sorted(real.items()):
         c = Config(regime, send_every, samplers)
         env_steps = rs[0]["env_steps"]
-        sim = simulated(c, env_steps, 0, costs)
+        sim = simulated(c, env_steps, 0, costs, data["meta"]["cpus"])
         got = sum(r["env_steps_per_s"] for r in rs) / len(rs)
         upd = sum(r["updates_per_s"] for r in rs) / len(rs)
         print(f"| {regime} | {send_every} | {samplers} | {got:,.0f} | {sim['env_steps_per_s']:,.0f} | "

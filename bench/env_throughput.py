@@ -475,9 +475,10 @@ def _band(env: dict, keys: list[tuple]) -> tuple[list[float], list[list[float]]]
     return ys, [lo, hi]
 
 
-def plot(rows: list[dict], alone: list[dict], path: Path, load: str = "?") -> None:
+def plot(rows: list[dict], alone: list[dict], path: Path, meta: dict) -> None:
     """Four panels: env steps/s against send_every and against samplers (mean, min..max over
-    repeats), where one sampler's loop went, and the CPU each env step cost per role."""
+    repeats), where one sampler's loop went, and the CPU each env step cost per role. ``meta``:
+    the run's, whose CPUs and load the title states (a plot rendered again elsewhere keeps them)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -554,7 +555,8 @@ def plot(rows: list[dict], alone: list[dict], path: Path, load: str = "?") -> No
     d.legend(fontsize=7)
     for ax in (a, b, c, d):
         ax.grid(alpha=0.3)
-    fig.suptitle(f"env pipeline throughput on Ray: CartPole DQN, 8 envs per sampler, {os.cpu_count()} CPUs, load average {load}")
+    fig.suptitle(f"env pipeline throughput on Ray: CartPole DQN, 8 envs per sampler, {meta['cpus']} CPUs, "
+                 f"load average {meta['loadavg_start']} .. {meta['loadavg_end']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -629,7 +631,7 @@ def report(console, meta: dict, alone: list[dict], rows: list[dict], out: Path) 
     md = markdown(HEADER, table_rows(rows)) + "\n\n" + markdown(BREAKDOWN_HEADER, breakdown_rows(rows)) + "\n"
     (out / "table.md").write_text(md)
     console.print(md)
-    plot(rows, alone, out / "env-throughput.png", f"{meta['loadavg_start']} .. {meta['loadavg_end']}")
+    plot(rows, alone, out / "env-throughput.png", meta)
     console.print(f"loadavg at the end {meta['loadavg_end']}; rows, table and plot in {out}")
 
 

@@ -94,7 +94,7 @@ def test_sim_check_sets_each_plain_configuration_beside_its_simulation(tmp_path,
     check = _load("env_sim_check")
     rows = [{"regime": "sampler-bound", "send_every": 10, "samplers": 1, "variant": v, "env_steps": 2_000,
              "env_steps_per_s": 1_000.0, "updates_per_s": 5.0} for v in ("", "fetch")]
-    (tmp_path / "rows.json").write_text(json.dumps({"meta": {"commit": "abc"}, "rows": rows}))
+    (tmp_path / "rows.json").write_text(json.dumps({"meta": {"commit": "abc", "cpus": 2}, "rows": rows}))
     assert check.main([str(tmp_path / "rows.json"), "--set", "sim.env_step_s=1e-3"]) == 0
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| sampler-bound")]
     assert len(table) == 1  # the fetch variant changes the sampler, which the sim does not model
@@ -113,5 +113,5 @@ def test_costs_fitted_on_a_baseline_make_the_sim_reproduce_it():
     real = {("sampler-bound", 10, 1): [sampler], ("learner-bound", 10, 1): [learner]}
     costs = check.fitted(real, {"sim.replay_call_s": 1e-4})
     assert costs["sim.learner_update_s"] == pytest.approx(3e-3) and costs["sim.replay_call_s"] == 1e-4
-    sim = check.simulated(check.Config("sampler-bound", 10, 1), 8_000, 0, costs)
+    sim = check.simulated(check.Config("sampler-bound", 10, 1), 8_000, 0, costs, cores=2)
     assert sim["env_steps_per_s"] == pytest.approx(16_000, rel=0.05)
