@@ -44,9 +44,9 @@ from core.model.env_config import EnvScenario
 from core.model.faults import FaultLog
 from core.model.owned import discard_owned, make_owned
 from core.pipeline.param_sync import ParamSync
-from core.store import checkpoint
 from core.pipeline.staleness_queue import QueueClosed
 from core.runtimes.object_store_transfer import ObjectStoreTransfer
+from core.store import checkpoint
 
 log = logging.getLogger(__name__)
 
