@@ -42,7 +42,7 @@ def metrics(sc: EnvScenario, curve: EnvCurve) -> dict:
     if sc.learner == "ppo":
         # Transitions drawn by gradient steps per transition that arrived: epochs, less what was dropped.
         spi = curve.updates * sc.ppo.minibatch / steps if steps else 0.0
-        dropped = st["stale_on_arrival"] + st["evicted_stale"] + st["stale_at_learner"]
+        dropped = st["stale_on_arrival"] + st["evicted_stale"] + curve.dropped_at_learner
         accounted = curve.trained_chunks + dropped + st["chunks_refused"] + st["left_at_end"]
     else:
         spi, dropped = st["samples_per_insert"], 0

@@ -135,10 +135,10 @@ def test_sync_dqn_is_deterministic_for_a_seed():
     ({"dqn.hidden": [64, 0]}, r"dqn.hidden = \[64, 0\]: every layer needs a width of at least 1"),
     ({"faults": [{"target": "learner", "at_env_steps": 10}]},
      r"faults.0.target = 'learner': a learner that keeps no checkpoint cannot come back; fix: set ray.learner_checkpoint_every"),
-    ({"learner": "ppo", "ray.learner_checkpoint_every": 5, "faults": [{"target": "learner", "at_env_steps": 10}]},
-     r"ray.learner_checkpoint_every = 5: only the DQN learner is checkpointed"),
     ({"learner": "ppo", "faults": [{"target": "learner", "at_env_steps": 10}]},
-     r"faults.0.target = 'learner': PPO's learner holds chunks the queue has already handed out"),
+     r"faults.0.target = 'learner': a learner that keeps no checkpoint cannot come back"),
+    ({"learner": "ppo", "faults": [{"target": "replay", "at_env_steps": 10}]},
+     r"faults.0.target = 'replay': a store \(replay or queue\) that is not journaled loses its rows when it dies; fix: set replay.durable"),
 ])
 def test_a_bad_env_scenario_is_one_error_naming_the_key(changes, match):
     with pytest.raises(ValueError, match=match):

@@ -64,7 +64,7 @@ def test_a_ppo_scenario_runs_sync_and_its_ledger_balances(tmp_path):
     (["--set", "env.sampler=2"], "env.sampler = 2: unknown key; fix: remove it; did you mean 'samplers'?"),
     (["--set", "replay.error_buffer=1"], "replay.error_buffer = 1"),
     (["--stop-at-step", "3"], "--stop-at-step: not supported for an env scenario yet"),
-    (["--set", "faults=[{target: replay, at_env_steps: 100}]"], "faults.0.target = 'replay': a replay that is not journaled"),
+    (["--set", "faults=[{target: replay, at_env_steps: 100}]"], "faults.0.target = 'replay': a store (replay or queue) that is not journaled"),
     (["--set", "faults=[{sampler: 1, at_env_steps: 100}]"], "faults.0.sampler = 1: there are 1 samplers"),
     (["--set", "modes=[sync]", "--set", "faults=[{at_env_steps: 100}]"], "faults are injected into async runs"),
     (["--set", "env.id=Nope-v0"], "env.id = 'Nope-v0': Environment `Nope` doesn't exist."),

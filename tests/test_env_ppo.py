@@ -18,6 +18,7 @@ from core.model.config import with_changes
 from core.model.env_config import EnvScenario
 from core.model.transition_wire import TransitionChunk
 from core.pipeline.staleness_queue import QueueClosed
+from core.store.queue_journal import chunk_key
 
 
 def vtrace_by_definition(v, nv, r, disc, ends, rho, c):
@@ -119,7 +120,6 @@ def test_the_segment_queue_accounts_for_every_chunk_and_gates_by_version():
         assert q.set_version(2) == 2  # version-0 chunks are now two versions old: dropped
         assert await q.insert_chunk(chunk(1, 0, version=0)) == 0  # stale on arrival, not stored
         await q.insert_chunk(chunk(1, 1, version=2))
-        q.dropped_at_learner(0)
         q.close()
         with pytest.raises(QueueClosed):
             await q.insert_chunk(chunk(1, 2, version=2))
@@ -170,3 +170,96 @@ def test_bad_ppo_settings_name_the_key(changes, key):
 def test_dqn_refuses_continuous_actions():
     with pytest.raises(ValueError, match="DQN needs discrete actions; fix: use learner: ppo"):
         env_space(with_changes(EnvScenario(), {"env.id": "Pendulum-v1"}))
+
+
+def test_a_durable_queue_comes_back_from_its_journals_and_hands_out_again_what_it_must(tmp_path):
+    """Killed (rebuilt from its journals) it holds the same chunks and counts; a learner that comes
+    back from its checkpoint gets, first, every chunk that checkpoint does not cover; a learner
+    that lived through the queue's death keeps what it holds."""
+    async def go(d):
+        q = SegmentQueue(capacity=4, max_staleness=3, journal_dir=d)
+        for s in range(4):
+            await q.insert_chunk(chunk(s % 2, s // 2, version=0))
+        first = await q.get_batch(2)
+        q.ack([chunk_key(c) for c in first])  # the learner's checkpoint covers them
+        second = await q.get_batch(1)
+        before = q.stats()
+        q = SegmentQueue(capacity=4, max_staleness=3, journal_dir=d)  # the actor died; Ray restarts it
+        after = q.stats()
+        for k in ("chunks", "env_steps", "episodes", "delivered", "stale_on_arrival", "evicted_stale"):
+            assert after[k] == before[k], k
+        assert len(q) == 1 and await q.resume_point(1) == (2, 12)
+        # The learner lived and holds the chunk it took last: nothing is handed out twice.
+        assert q.rejoin([], [chunk_key(c) for c in second]) == 0
+        # It dies before its next checkpoint: the chunk comes back, before the one still queued.
+        assert q.rejoin([], []) == 1
+        again = await q.get_batch(2)
+        assert [(c.sampler, c.seq) for c in again] == [(second[0].sampler, second[0].seq), (1, 1)]
+        await q.insert_chunk(chunk(0, 2, version=0))
+        q.close()
+        st = q.stats()
+        assert st["redelivered"] == 1 and st["left_at_end"] == 1 and st["chunks"] == 5
+
+    asyncio.run(go(tmp_path))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_chunks_are_trained_once_through_any_order_of_checkpoints_and_deaths(seed, tmp_path):
+    """Seeded random runs of a learner and a durable queue, either dying at any step: the chunks
+    the surviving learner lineage trained hold no chunk twice, and with the queue's counts they
+    account for every chunk that arrived."""
+    rng = np.random.default_rng(seed)
+    K, EVERY = 2, 2  # chunks per batch; versions between the learner's checkpoints
+
+    async def go():
+        q = SegmentQueue(capacity=6, max_staleness=2, journal_dir=tmp_path)
+        seqs = [0, 0, 0]
+        version, taken, trained, stale = 0, [], [], []
+        ckpt = (0, [], [], [])  # version, trained, stale, taken since the acknowledgement before it
+
+        def restart_learner():
+            nonlocal version, trained, stale, taken, ckpt
+            v, tr, stl, covered = ckpt
+            # Numbered past any version the dead one published (it checkpoints every EVERY).
+            version, trained, stale, taken = v + EVERY, list(tr), list(stl), list(covered)
+            ckpt = (version, list(trained), list(stale), list(covered))  # at once, under the new number
+            q.rejoin(covered, [])
+            q.set_version(version)
+
+        for _ in range(300):
+            op = rng.choice(["insert"] * 4 + ["learn"] * 3 + ["learner dies", "queue dies"])
+            if op == "insert" and len(q) < q.capacity:
+                s = int(rng.integers(3))
+                await q.insert_chunk(chunk(s, seqs[s], version=max(0, version - int(rng.integers(3)))))
+                seqs[s] += 1
+            elif op == "learn" and len(q) >= K:
+                fresh = 0
+                for c in await q.get_batch(K):
+                    taken.append(chunk_key(c))
+                    ok = version - int(c.version[0]) <= 2
+                    (trained if ok else stale).append(chunk_key(c))
+                    fresh += ok
+                if fresh:
+                    version += 1
+                    q.set_version(version)
+                    if version % EVERY == 0:
+                        ckpt = (version, list(trained), list(stale), list(taken))
+                        if rng.random() < 0.2:  # dies between its checkpoint and the acknowledgement
+                            restart_learner()
+                            continue
+                        q.ack(taken)
+                        taken = []
+            elif op == "learner dies":
+                restart_learner()
+            elif op == "queue dies":
+                q = SegmentQueue(capacity=6, max_staleness=2, journal_dir=tmp_path)
+                assert [(await q.resume_point(s))[0] for s in range(3)] == seqs
+                q.rejoin([], taken)
+        q.close()
+        st = q.stats()
+        assert len(set(trained)) == len(trained)
+        assert st["chunks"] == sum(seqs)
+        assert (len(trained) + len(stale) + st["stale_on_arrival"] + st["evicted_stale"] + st["left_at_end"]
+                + st["chunks_refused"]) == st["chunks"]
+
+    asyncio.run(go())

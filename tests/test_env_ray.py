@@ -58,12 +58,12 @@ def test_async_ppo_trains_each_chunk_once_within_its_staleness_and_accounts_for_
     curve = run_async(sc, seed=0, stop_at_target=False)
     st = curve.replay
     assert st["sampler_restarts"] == [0, 1] and curve.faults["faults/recovered"] == 1
-    dropped = st["stale_on_arrival"] + st["evicted_stale"] + st["stale_at_learner"]
+    dropped = st["stale_on_arrival"] + st["evicted_stale"] + curve.dropped_at_learner
     # The ledger: every chunk a sampler sent arrived, and was trained once, dropped as stale,
     # refused at close or left queued at the end.
     assert curve.produced_chunks == st["chunks"] == st["sampler_chunks"] > 0
     assert curve.trained_chunks + dropped + st["chunks_refused"] + st["left_at_end"] == st["chunks"]
-    assert curve.trained_chunks == curve.versions > 0 and st["delivered"] == curve.trained_chunks + st["stale_at_learner"]
+    assert curve.trained_chunks == curve.versions > 0 and st["delivered"] == curve.trained_chunks + curve.dropped_at_learner
     # Each trained chunk lagged the learner by at most ppo.max_staleness versions.
     assert len(curve.policy_lag) == curve.trained_chunks and 0 <= min(curve.policy_lag) and max(curve.policy_lag) <= 1
     assert curve.updates == curve.trained_chunks * 2 and all(n >= 1 for n in st["weights_fetched"])
@@ -107,3 +107,24 @@ def test_killing_the_learner_mid_run_goes_on_from_its_checkpoint(ray_session):
     assert st["env_steps"] >= 6_000 and st["samples"] >= curve.updates * 64 > 0
     assert all(n >= 1 for n in st["weights_fetched"]) and min(curve.policy_lag) >= 0
 
+
+
+def test_killing_ppos_queue_and_learner_mid_run_trains_every_chunk_once(ray_session):
+    """PPO's journaled queue and its checkpointed learner are killed; Ray restarts both. The queue
+    comes back with its chunks and counts; the learner from its checkpoint, and the queue hands
+    it again, first, the chunks the dead one took after that checkpoint. The run finishes with
+    every chunk trained once or dropped for a counted reason."""
+    sc = with_changes(EnvScenario(), {
+        "learner": "ppo", "env.env_steps": 8_000, "env.samplers": 2, "env.eval_every": 4_000, "env.eval_episodes": 10,
+        "ppo.epochs": 2, "ppo.queue_chunks": 2, "ppo.max_staleness": 4, "ray.sampler.num_cpus": 0.5,
+        "replay.durable": True, "ray.learner_checkpoint_every": 2,
+        "faults": [{"target": "replay", "at_env_steps": 2_500}, {"target": "learner", "at_env_steps": 5_000}],
+    })
+    curve = run_async(sc, seed=0, stop_at_target=False)
+    st, ler = curve.replay, curve.learner
+    assert curve.faults["faults/injected"] == curve.faults["faults/recovered"] == 2 and ler["restarts"] == 1
+    assert ler["restored_from"] >= 2 and ler["restored_from"] % 2 == 0 and curve.versions >= ler["restored_from"] + 2
+    assert curve.produced_chunks == st["chunks"] == st["sampler_chunks"] > 0 and st["env_steps"] >= 8_000
+    dropped = st["stale_on_arrival"] + st["evicted_stale"] + curve.dropped_at_learner
+    assert curve.trained_chunks + dropped + st["chunks_refused"] + st["left_at_end"] == st["chunks"]
+    assert len(curve.policy_lag) == curve.trained_chunks and 0 <= min(curve.policy_lag) and max(curve.policy_lag) <= 4

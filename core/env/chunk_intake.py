@@ -64,13 +64,17 @@ class ChunkIntake:
         return self._next_seq.get(sampler, 0), self._steps_of.get(sampler, 0)
 
     def arrived(self, chunk: TransitionChunk, refused: bool = False) -> None:
-        self._next_seq[chunk.sampler] = chunk.seq + 1
+        self.note(chunk.sampler, chunk.seq, chunk.env_steps, len(chunk), chunk.episode_returns, refused)
+
+    def note(self, sampler: int, seq: int, env_steps: int, rows: int, episode_returns, refused: bool) -> None:
+        """A chunk's arrival, from its counts alone (what a restarted store reads back)."""
+        self._next_seq[sampler] = seq + 1
         self.chunks += 1
-        self.env_steps += chunk.env_steps
-        self._steps_of[chunk.sampler] = self._steps_of.get(chunk.sampler, 0) + chunk.env_steps
-        self.episode_returns.extend(float(x) for x in chunk.episode_returns)
+        self.env_steps += env_steps
+        self._steps_of[sampler] = self._steps_of.get(sampler, 0) + env_steps
+        self.episode_returns.extend(float(x) for x in episode_returns)
         if refused:
-            self.rows_refused += len(chunk)
+            self.rows_refused += rows
             self.chunks_refused += 1
 
     def stats(self) -> dict:

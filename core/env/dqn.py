@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from core.env.net_state import adam_arrays, load_adam, load_into, weights_of
+
 # A row with no TD error is still drawn now and then (PER's epsilon).
 MIN_PRIORITY = 1e-3
 
@@ -40,15 +42,6 @@ class QNetwork(nn.Module):
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         return self.net(obs)
-
-
-def weights_of(net: nn.Module) -> dict[str, np.ndarray]:
-    return {k: v.detach().cpu().numpy().copy() for k, v in net.state_dict().items()}
-
-
-def load_into(net: nn.Module, weights: dict[str, np.ndarray]) -> None:
-    # A copy: weights fetched from the object store are read-only views.
-    net.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in weights.items()})
 
 
 class EpsilonGreedy:
@@ -109,23 +102,13 @@ class DQNLearner:
 
     def state(self) -> tuple[dict, dict[str, dict[str, np.ndarray]]]:
         """(counters, arrays by file stem): all a restarted learner needs to go on as this one would."""
-        adam = {}
-        for i, per_param in self.opt.state_dict()["state"].items():
-            for k, v in per_param.items():
-                adam[f"{i}.{k}"] = np.atleast_1d(v.detach().cpu().numpy() if torch.is_tensor(v) else np.asarray(v))
-        return {"updates": self.updates}, {"online": weights_of(self.online), "target": weights_of(self.target), "adam": adam}
+        return {"updates": self.updates}, {"online": weights_of(self.online), "target": weights_of(self.target),
+                                           "adam": adam_arrays(self.opt)}
 
     def load_state(self, counters: dict, arrays: dict[str, dict[str, np.ndarray]]) -> None:
         load_into(self.online, arrays["online"])
         load_into(self.target, arrays["target"])
-        sd = self.opt.state_dict()
-        state: dict[int, dict] = {}
-        for key, v in arrays["adam"].items():
-            i, k = key.split(".", 1)
-            t = torch.from_numpy(np.array(v))
-            state.setdefault(int(i), {})[k] = t.reshape(()) if k == "step" else t
-        sd["state"] = state
-        self.opt.load_state_dict(sd)
+        load_adam(self.opt, arrays["adam"])
         self.updates = int(counters["updates"])
 
     def update(self, batch: dict[str, np.ndarray], weights: np.ndarray) -> tuple[np.ndarray, dict]:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from core.env.dqn import load_into, weights_of
+from core.env.net_state import adam_arrays, generator_state, load_adam, load_generator, load_into, weights_of
 from core.model.env_config import PPOSpec
 
 
@@ -141,6 +141,17 @@ class PPOLearner:
 
     def weights(self) -> dict[str, np.ndarray]:
         return weights_of(self.net)
+
+    def state(self) -> tuple[dict, dict[str, dict[str, np.ndarray]]]:
+        """(counters, arrays by file stem): all a restarted learner needs to go on as this one would."""
+        return {"updates": self.updates}, {"net": weights_of(self.net), "adam": adam_arrays(self.opt),
+                                           "gen": generator_state(self.gen)}
+
+    def load_state(self, counters: dict, arrays: dict[str, dict[str, np.ndarray]]) -> None:
+        load_into(self.net, arrays["net"])
+        load_adam(self.opt, arrays["adam"])
+        load_generator(self.gen, arrays["gen"])
+        self.updates = int(counters["updates"])
 
     def learn(self, cols: dict[str, np.ndarray], env_steps: int) -> dict:
         """``ppo.epochs`` passes of minibatch steps over one batch of segments (columns shaped

@@ -12,6 +12,14 @@ otherwise train on a policy it left long ago. Every chunk is accounted for:
     arrived = trained + dropped (stale on arrival, evicted stale, stale at the learner)
               + refused at close + left queued at the end
 
+(the learner counts what it trained and what it found too stale; the queue the rest).
+
+Durable (a journal directory, async mode): the queue journals its contents (the pipeline's
+``QueueJournal``, chunks for groups) and every arrival, and keeps the chunks it handed to the
+learner until the learner acknowledges them (after its checkpoint, or at once if it keeps
+none). A queue actor that dies comes back with the same chunks and counts; a learner that dies
+gets the chunks its checkpoint does not cover again, first.
+
 As the replay, one class serves in process (sync mode) and as the Ray actor (its calls are
 async on one loop).
 """
@@ -21,27 +29,31 @@ from __future__ import annotations
 import time
 import asyncio
 from collections import Counter, deque
-from typing import Optional
+from pathlib import Path
+from typing import Iterable, Optional, Union
 
 import numpy as np
 
 from core.env.chunk_intake import ChunkIntake
 from core.model.transition_wire import TransitionChunk
 from core.pipeline.staleness_queue import AsyncStalenessQueue, QueueClosed
+from core.store.arrival_journal import Arrival, ArrivalJournal
+from core.store.queue_journal import CHUNKS, QueueJournal
 
 
 class SegmentQueue:
     """Bounded, version-gated FIFO of sampler chunks."""
 
-    def __init__(self, capacity: int, max_staleness: int) -> None:
-        self.queue = AsyncStalenessQueue(capacity, max_staleness)
+    def __init__(self, capacity: int, max_staleness: int, journal_dir: Union[str, Path, None] = None) -> None:
+        """``journal_dir``: where to journal (and, if it holds a journal already, to rebuild
+        from: this is a restart)."""
+        journal = QueueJournal(Path(journal_dir) / "queue.journal", CHUNKS) if journal_dir is not None else None
+        self.queue = AsyncStalenessQueue(capacity, max_staleness, journal=journal)
+        self.arrivals = ArrivalJournal(Path(journal_dir) / "arrivals.journal") if journal_dir is not None else None
         self.intake = ChunkIntake()
         self.max_staleness = max_staleness
-        self.stale_on_arrival = 0
-        self.evicted_stale = 0
-        self.stale_at_learner = 0
-        self.delivered = 0
         self.left_at_end = 0
+        self.redelivered = 0
         # How long each side waited here: a sampler for room, the learner for chunks.
         self.insert_blocked_s = 0.0
         self.sample_blocked_s = 0.0
@@ -49,6 +61,16 @@ class SegmentQueue:
         self._held: Counter[int] = Counter()  # places reserved, per sampler
         self._waiting: deque[asyncio.Future] = deque()
         self._closed = False
+        if journal is not None and journal.path.stat().st_size:
+            self._restore()
+
+    def _restore(self) -> None:
+        """Rebuild from the journals: what was queued or handed out and not acknowledged, and
+        every arrival's counts."""
+        self.queue.recover()
+        for a in self.arrivals.read():
+            self.intake.note(a.sampler, a.seq, a.env_steps, a.rows, a.episode_returns, a.refused)
+            self.insert_blocked_s, self.sample_blocked_s = a.insert_blocked_s, a.sample_blocked_s
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -105,17 +127,22 @@ class SegmentQueue:
         t0 = time.perf_counter()
         with self.intake.taking(chunk.sampler):
             try:
-                kept = await self.queue.put(chunk, int(chunk.version[0]), timeout)
+                kept = await self.queue.put(chunk, CHUNKS.version(chunk), timeout)
             except QueueClosed:
-                self.intake.arrived(chunk, refused=True)
+                self._arrived(chunk, refused=True)
                 raise
             finally:
                 self.insert_blocked_s += time.perf_counter() - t0
-            self.intake.arrived(chunk)
+            self._arrived(chunk)
         if not kept:
-            self.stale_on_arrival += 1
             self._room()
         return len(chunk) if kept else 0
+
+    def _arrived(self, chunk: TransitionChunk, refused: bool = False) -> None:
+        self.intake.arrived(chunk, refused)
+        if self.arrivals is not None:
+            self.arrivals.arrived(Arrival(chunk.sampler, chunk.seq, chunk.env_steps, len(chunk), chunk.episode_returns,
+                                          refused, self.insert_blocked_s, self.sample_blocked_s))
 
     async def get_batch(self, n: int, timeout: Optional[float] = None) -> list[TransitionChunk]:
         """The ``n`` oldest chunks, once there are that many; ``QueueClosed`` once closed."""
@@ -124,21 +151,29 @@ class SegmentQueue:
             chunks = await self.queue.get_batch(n, timeout)
         finally:
             self.sample_blocked_s += time.perf_counter() - t0
-        self.delivered += len(chunks)
         self._room()
         return chunks
 
     def set_version(self, version: int) -> int:
         """The learner published ``version``: drop queued chunks now too stale. Returns how many."""
         evicted = len(self.queue.set_version(version))
-        self.evicted_stale += evicted
         if evicted:
             self._room()
         return evicted
 
-    def dropped_at_learner(self, chunks: int) -> None:
-        """Chunks the learner took but found too stale by the time it got to them."""
-        self.stale_at_learner += chunks
+    def ack(self, keys: Iterable[int]) -> None:
+        """The learner's state covers the chunks of ``keys`` (``CHUNKS.key``): forget them."""
+        self.queue.ack(list(keys))
+
+    def rejoin(self, covered: Iterable[int], held: Iterable[int]) -> int:
+        """The learner came back (from its checkpoint, whose chunks are ``covered``), or this
+        queue did while the learner ``held`` the chunks it took since its last acknowledgement.
+        Every other chunk handed out and not acknowledged is delivered again, first. Returns how many."""
+        self.queue.drop_consumer()
+        self.queue.ack(list(covered))
+        n = self.queue.redeliver(keep=list(held))
+        self.redelivered += n
+        return n
 
     def close(self) -> None:
         """Release the waiting samplers and learner: the run is stopping. Chunks still queued are
@@ -149,12 +184,13 @@ class SegmentQueue:
         self._room()
 
     def stats(self) -> dict:
+        c = self.queue.counters()  # journaled: they survive a restart
         return {
             "size": len(self.queue),
-            "delivered": self.delivered,
-            "stale_on_arrival": self.stale_on_arrival,
-            "evicted_stale": self.evicted_stale,
-            "stale_at_learner": self.stale_at_learner,
+            "delivered": c["got"] - self.left_at_end,  # first deliveries: the drain at close counts as taken
+            "redelivered": self.redelivered,
+            "stale_on_arrival": c["stale_on_put"],
+            "evicted_stale": c["evicted"],
             "left_at_end": self.left_at_end,
             "insert_blocked_s": self.insert_blocked_s,
             "sample_blocked_s": self.sample_blocked_s,

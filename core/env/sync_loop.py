@@ -63,6 +63,8 @@ class EnvCurve:
     """Chunks the samplers sent: each must be in the store's counts (the ledger's identity)."""
     trained_chunks: int = 0
     """PPO: chunks trained (each once)."""
+    dropped_at_learner: int = 0
+    """PPO: chunks the learner took and found too stale to train (async mode)."""
     evaluations_lost: int = 0
     """Async mode: evaluations whose weights died with a learner before they were read (the
     learner restarted; its next evaluation runs as usual)."""

@@ -136,8 +136,10 @@ class ReplayLimitSpec(_Frozen):
     min_size_to_sample: int = Field(1_000, ge=1)
     """Rows inserted before the first sample."""
     durable: bool = False
-    """Async mode: journal every chunk the replay takes (to the run's directory), so that a replay
-    actor restarted after a crash rebuilds its rows and counts; priorities restart at the maximum."""
+    """Async mode: journal the store actor (to the run's directory), so that one restarted after a
+    crash rebuilds what it held and its counts. DQN's replay: every chunk it took (priorities
+    restart at the maximum). PPO's queue: its chunks, those handed to the learner and not yet
+    acknowledged, and every arrival's counts."""
     error_buffer: float | None = Field(None, ge=0)
     """How far, in samples, the run may drift from the ratio before the side ahead waits. None: the
     smallest band that holds one chunk's insert and one sample, the tightest that cannot deadlock."""
@@ -159,10 +161,10 @@ class EnvRaySpec(_Frozen):
     max_restarts: int = Field(3, ge=0)
     """Times Ray restarts a sampler, replay or (checkpointed) learner actor that died, per actor."""
     learner_checkpoint_every: int = Field(0, ge=0)
-    """DQN: weight versions between the learner actor's checkpoints (its networks, Adam's state
-    and its counts, in a directory asyncrl creates and removes). A restarted learner goes on from
-    the latest, numbering its versions past any it published since. 0: none, and a dead learner
-    ends the run."""
+    """Weight versions between the learner actor's checkpoints (its networks, Adam's state and its
+    counts, in a directory asyncrl creates and removes). A restarted learner goes on from the
+    latest, numbering its versions past any it published since; PPO's queue hands it again the
+    chunks that checkpoint does not cover. 0: none, and a dead learner ends the run."""
     recovery_timeout_s: float = Field(60.0, gt=0)
     """How long a caller retries a restarting actor before the run fails with an error naming it."""
 
@@ -175,8 +177,9 @@ class EnvFaultSpec(_Frozen):
     """What happens: the actor's process ends."""
     target: Literal["sampler", "replay", "learner"] = "sampler"
     """A sampler actor (it resumes at its next chunk; the one it was collecting was never sent),
-    the DQN replay actor (it rebuilds from its journal: needs `replay.durable`), or the DQN
-    learner actor (it goes on from its latest checkpoint: needs `ray.learner_checkpoint_every`)."""
+    the store actor, DQN's replay or PPO's queue (it rebuilds from its journal: needs
+    `replay.durable`), or the learner actor (it goes on from its latest checkpoint: needs
+    `ray.learner_checkpoint_every`)."""
     sampler: int = Field(0, ge=0)
     """Which sampler, from 0."""
     at_env_steps: int = Field(..., ge=1)
@@ -341,9 +344,6 @@ class EnvScenario(_Frozen):
         return self
 
     def _check_faults(self) -> None:
-        if self.ray.learner_checkpoint_every and self.learner != "dqn":
-            raise ConfigError("ray.learner_checkpoint_every", self.ray.learner_checkpoint_every,
-                              "only the DQN learner is checkpointed", "set it to 0, or use learner: dqn")
         if self.faults and "async" not in self.modes:
             raise ConfigError("faults", "[...]", "faults are injected into async runs, and modes has none", "add async to modes, or remove faults")
         for i, f in enumerate(self.faults):
@@ -351,17 +351,11 @@ class EnvScenario(_Frozen):
             if f.target == "sampler" and f.sampler >= self.env.samplers:
                 raise ConfigError(f"{key}.sampler", f.sampler, f"there are {self.env.samplers} samplers (env.samplers)",
                                   f"use a sampler index below {self.env.samplers}")
-            if f.target == "replay" and self.learner != "dqn":
-                raise ConfigError(f"{key}.target", f.target, "PPO's queue is not journaled yet, so killing it would lose its chunks",
-                                  "kill a sampler, or use learner: dqn")
-            if f.target == "learner" and self.learner != "dqn":
-                raise ConfigError(f"{key}.target", f.target, "PPO's learner holds chunks the queue has already handed out, "
-                                  "and would lose them", "kill a sampler, or use learner: dqn")
             if f.target == "learner" and not self.ray.learner_checkpoint_every:
                 raise ConfigError(f"{key}.target", f.target, "a learner that keeps no checkpoint cannot come back",
                                   "set ray.learner_checkpoint_every, e.g. 10")
             if f.target == "replay" and not self.replay.durable:
-                raise ConfigError(f"{key}.target", f.target, "a replay that is not journaled loses its rows when it dies",
+                raise ConfigError(f"{key}.target", f.target, "a store (replay or queue) that is not journaled loses its rows when it dies",
                                   "set replay.durable: true")
             if self.ray.max_restarts < 1:
                 raise ConfigError("ray.max_restarts", self.ray.max_restarts, "a killed actor would not come back", "use at least 1")

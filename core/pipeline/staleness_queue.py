@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter, deque
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from core.api import Batch
-from core.store.queue_journal import QueueJournal
+from core.store.queue_journal import GROUPS, QueueJournal, QueueWire
 from ext.squeue import StalenessQueue
 
 
@@ -24,7 +24,8 @@ class AsyncStalenessQueue:
     """Bounded, version-gated queue; items older than ``version - max_staleness`` are evicted.
 
     ``impl`` is the synchronous queue class underneath; the backend ``ext.squeue`` selected
-    unless a caller (the benchmarks) compares them side by side.
+    unless a caller (the benchmarks) compares them side by side. The items are LLM groups
+    unless the journal's wire says otherwise (the env pipeline's chunks).
     """
 
     def __init__(
@@ -32,6 +33,7 @@ class AsyncStalenessQueue:
         journal: Optional[QueueJournal] = None, durable: bool = False,
     ) -> None:
         self._impl = impl
+        self.wire: QueueWire = journal.wire if journal is not None else GROUPS
         self._q = impl(capacity, max_staleness)
         # put_nowait(item, version) -> bool: store now; False if already too stale (not
         # stored); QueueFull at capacity. The queue's own method: a waiting consumer is woken
@@ -113,8 +115,9 @@ class AsyncStalenessQueue:
             try:
                 await asyncio.wait_for(fut, timeout)
             finally:
-                self._getter = None
-                q.notify_at(k, None)
+                if self._getter is fut:  # else drop_consumer() released it and another waits now
+                    self._getter = None
+                    q.notify_at(k, None)
             await self._up()
         first = min(n, len(self._redeliver))
         items = [self._redeliver.popleft() for _ in range(first)]
@@ -132,6 +135,14 @@ class AsyncStalenessQueue:
         for fut in waiting:
             if not fut.done():
                 fut.set_exception(QueueClosed("the queue was closed"))
+
+    def drop_consumer(self) -> None:
+        """The consumer died while it waited in ``get_batch``: release that call (its answer
+        would go nowhere; what it would have taken stays queued), so its restart can wait."""
+        fut, self._getter = self._getter, None
+        if fut is not None and not fut.done():
+            fut.set_exception(QueueClosed("the consumer is gone"))
+        self._q.notify_at(1, None)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -162,20 +173,32 @@ class AsyncStalenessQueue:
         return items
 
     # -- durability ------------------------------------------------------------------------------
-    def ack(self) -> None:
-        """The trainer's checkpoint covers every group delivered so far: forget them, and
-        compact the journal to the contents."""
-        self._unacked.clear()
+    def ack(self, keys: Optional[Iterable[int]] = None) -> None:
+        """The consumer's checkpoint covers the items delivered so far (or those of ``keys``,
+        by the wire's key): forget them, and compact the journal to the contents. Acknowledging
+        an item again is a no-op."""
+        if keys is None:
+            self._unacked.clear()
+        else:
+            done = set(keys)
+            self._unacked = [g for g in self._unacked if self.wire.key(g) not in done]
         if self.journal is not None:
-            self.journal.rewrite(self._peek(), list(self._redeliver), self.version, self._counters_full())
+            self.journal.rewrite(self._peek(), list(self._redeliver), self.version, self._counters_full(), self._unacked)
 
-    def redeliver(self) -> int:
-        """A restarted trainer lost what it was given since its checkpoint: give it again, first."""
-        n = len(self._unacked)
-        self._redeliver.extendleft(reversed(self._unacked))
-        self._unacked.clear()
+    def redeliver(self, keep: Iterable[int] = ()) -> int:
+        """A restarted trainer lost what it was given since its checkpoint: give it again, first.
+        ``keep``: keys of items the consumer still holds (it lost an answer, not itself): they
+        stay unacknowledged."""
+        held = set(keep)
+        again = [g for g in self._unacked if self.wire.key(g) not in held]
+        n = len(again)
+        self._redeliver.extendleft(reversed(again))
+        self._unacked = [g for g in self._unacked if self.wire.key(g) in held]
         if self.journal is not None:
-            self.journal.op("redelivered", (), self.version, self._counters_full())
+            if held:
+                self.journal.rewrite(self._peek(), list(self._redeliver), self.version, self._counters_full(), self._unacked)
+            else:
+                self.journal.op("redelivered", (), self.version, self._counters_full())
         if n and self._getter is not None and not self._getter.done():
             self._getter.set_result(None)
         return n
@@ -190,7 +213,7 @@ class AsyncStalenessQueue:
     def _peek(self) -> list:
         # ext.squeue has no peek: pop everything and put it back, counts unchanged.
         items = self._q.get_batch(len(self._q))
-        self._q.put_many(items, [g.version for g in items])
+        self._q.put_many(items, [self.wire.version(g) for g in items])
         self._base.update({"put": -len(items), "got": -len(items)})
         return items
 
@@ -210,9 +233,10 @@ class AsyncStalenessQueue:
         st = self.journal.replay()
         q = self._impl(self._q.capacity, self._q.max_staleness)
         queued = list(st.queued.values())
+        versions = [self.wire.version(g) for g in queued]
         if queued:  # no item is newer than the queue's version: store them all at the newest
-            q.set_version(max(g.version for g in queued))
-        q.put_many(queued, [g.version for g in queued])
+            q.set_version(max(versions))
+        q.put_many(queued, versions)
         version = max(st.version, self._q.version)
         evicted = q.set_version(version)
         self._q = q
@@ -235,7 +259,7 @@ class AsyncStalenessQueue:
     def restore(self, version: int, queued: list, counters: dict) -> None:
         """Take a checkpoint's contents (a resumed run)."""
         self._q.set_version(version)
-        self._q.put_many(queued, [g.version for g in queued])
+        self._q.put_many(queued, [self.wire.version(g) for g in queued])
         self._base = Counter(counters)
         self._base.subtract(self._q.counters())
         if self.journal is not None:

@@ -18,7 +18,8 @@ Evaluations run beside training on the same cores (num_cpus 0); their cost is pa
 mode pays here, where sync mode stops its clock while it evaluates.
 
 Actors that die come back (docs/env.md, Faults): a sampler at its next chunk, a journaled replay
-from its journal, a checkpointed DQN learner from its latest checkpoint.
+or queue from its journal, a checkpointed learner from its latest checkpoint (PPO's queue then
+hands it again the chunks that checkpoint does not cover).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from core.pipeline.param_sync import ParamSync
 from core.pipeline.staleness_queue import QueueClosed
 from core.runtimes.object_store_transfer import ObjectStoreTransfer
 from core.store import checkpoint
+from core.store.queue_journal import chunk_key
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +160,9 @@ class SamplerFleet:
 class LearnerHost:
     """The learner actor. DQN: samples ``dqn.batches_per_call`` batches per call, updates on each,
     sends their priorities back in one call, and publishes weights every ``dqn.publish_every``
-    updates. PPO: takes ``ppo.chunks_per_batch`` chunks per call, trains on them, and publishes
-    weights after each batch."""
+    updates. PPO: takes ``ppo.chunks_per_batch`` chunks per call, trains on them, publishes
+    weights after each batch, and acknowledges the chunks to the queue once its state covers
+    them (at its checkpoint, or at once if it keeps none)."""
 
     def __init__(self, sc: EnvScenario, seed: int, checkpoints: Optional[str] = None) -> None:
         torch.set_num_threads(learner_threads(sc))
@@ -174,6 +177,10 @@ class LearnerHost:
         self.transfer = ObjectStoreTransfer(self.learner, ray.put)
         self.param_sync = ParamSync(rollouter=SamplerFleet([]), transfer=self.transfer, mode="wait")
         self.trained_chunks = 0
+        self.stale_at_learner = 0  # PPO: chunks taken and found too stale to train
+        self.env_steps = 0  # PPO: env steps of every chunk taken, the anneal schedule's clock
+        self._taken: list[int] = []  # PPO: keys of chunks taken since the last acknowledgement
+        self._covered: list[int] = []  # PPO: those of the checkpoint this actor restarted from
         self.figures: list[dict] = []
         self.store_retries = 0
         self.priority_updates_lost = 0  # sent to a replay that died before it applied them
@@ -182,13 +189,19 @@ class LearnerHost:
         if self.checkpoints is not None and (path := checkpoint.latest(self.checkpoints)) is not None:
             self._restore(path)
 
+    # Counts a checkpoint keeps, beside the learner's own state.
+    _KEPT = ("updates", "update_s", "sample_wait_s", "store_retries", "priority_updates_lost", "trained_chunks",
+             "stale_at_learner", "env_steps")
+
     def _checkpoint(self) -> None:
+        """Taken before the version's weights go out, so that a restart's next version (see
+        ``_restore``) is one the dead learner never published."""
         counters, arrays = self.learner.state()
-        state = {"version": self.version, "updates": self.updates, "learner": counters, "update_s": self.update_s,
-                 "sample_wait_s": self.sample_wait_s, "store_retries": self.store_retries,
-                 "priority_updates_lost": self.priority_updates_lost}
-        snap = checkpoint.Snapshot(state=state, arrays={"policy_lag": np.asarray(self.policy_lag, np.float64)})
-        checkpoint.save(self.checkpoints, self.version, snap, tensors=arrays)
+        state = {"version": self.version, "learner": counters, "stems": list(arrays),
+                 **{k: getattr(self, k) for k in self._KEPT}}
+        kept = {"policy_lag": np.asarray(self.policy_lag, np.float64), "taken": np.asarray(self._taken, np.int64)}
+        kept.update({f"figure.{k}": np.asarray([f[k] for f in self.figures], np.float64) for k in FIGURES})
+        checkpoint.save(self.checkpoints, self.version, checkpoint.Snapshot(state=state, arrays=kept), tensors=arrays)
 
     def _restore(self, path: Path) -> None:
         """This actor was restarted: the learner as its latest checkpoint left it. Its versions go on
@@ -196,13 +209,25 @@ class LearnerHost:
         so that every sampler takes the next one."""
         snap = checkpoint.load(path)
         st = snap.state
-        self.learner.load_state(st["learner"], {k: checkpoint.load_tensors(path, k) for k in ("online", "target", "adam")})
-        self.updates, self.update_s, self.sample_wait_s = st["updates"], st["update_s"], st["sample_wait_s"]
-        self.store_retries, self.priority_updates_lost = st["store_retries"], st["priority_updates_lost"]
+        self.learner.load_state(st["learner"], {k: checkpoint.load_tensors(path, k) for k in st["stems"]})
+        for k in self._KEPT:
+            setattr(self, k, st[k])
         self.policy_lag = snap.arrays["policy_lag"].tolist()
+        self._covered = snap.arrays["taken"].tolist()
+        figs = [snap.arrays[f"figure.{k}"].tolist() for k in FIGURES]
+        self.figures = [dict(zip(FIGURES, row)) for row in zip(*figs)]
+        self._taken = list(self._covered)  # acknowledged again with the next batch's: a no-op if the queue had them
         self.restored_from = st["version"]
         self.version = st["version"] + self.sc.ray.learner_checkpoint_every
+        # At once under the new number: another death before the next checkpoint must not come
+        # back to the old one and number again versions this actor publishes.
+        self._checkpoint()
         log.info("learner restored from version %d (%d updates); goes on as version %d", st["version"], self.updates, self.version)
+
+    def restart_point(self) -> tuple[int, list[int]]:
+        """(the version this restarted actor goes on at, the chunks its checkpoint had taken since
+        the acknowledgement before it): PPO's queue is told both (the dead one may not have acknowledged)."""
+        return self.version, self._covered
 
     def _retried(self) -> None:
         self.store_retries += 1
@@ -227,6 +252,7 @@ class LearnerHost:
             await self._run_dqn(store)
         out = {"updates": self.updates, "versions": self.version, "policy_lag": self.policy_lag,
                "update_s": self.update_s, "sample_wait_s": self.sample_wait_s, "trained_chunks": self.trained_chunks,
+               "stale_at_learner": self.stale_at_learner,
                "store_retries": self.store_retries, "priority_updates_lost": self.priority_updates_lost,
                "publish_s": sum(self.param_sync.pause_s), "put_s": self.transfer.put_s, "weight_bytes": self.transfer.bytes,
                "restored_from": self.restored_from}
@@ -238,35 +264,50 @@ class LearnerHost:
         """Unlike DQN's, the next batch is not asked for ahead: taking chunks frees their places,
         and a sampler should take the weights published just before (one version of lag, not
         two). A chunk that has grown too stale by the time the learner reaches it is dropped
-        (the queue counts it)."""
+        (and counted here)."""
         p = self.sc.ppo
+        every = self.sc.ray.learner_checkpoint_every if self.checkpoints is not None else 0
+        patience = self.sc.ray.recovery_timeout_s
         clock = time.perf_counter
-        env_steps = 0  # env steps of every chunk taken: the anneal schedule's clock
-        told: list = []
         while True:
             t0 = clock()
             try:
-                chunks = await served(lambda: queue.get_batch.remote(p.chunks_per_batch), self.sc.ray.recovery_timeout_s, self._retried)
+                chunks = await queue.get_batch.remote(p.chunks_per_batch)
             except QueueClosed:
                 break
+            except ray.exceptions.RayActorError:
+                # The queue died, perhaps with chunks handed out whose answer died with it: once it
+                # is back, it hands out again every chunk not acknowledged that this learner lacks.
+                try:
+                    await served(lambda: queue.rejoin.remote([], self._taken), patience, self._retried)
+                except QueueClosed:
+                    break
+                self.sample_wait_s += clock() - t0
+                continue
             t1 = clock()
             self.sample_wait_s += t1 - t0
-            env_steps += sum(c.env_steps for c in chunks)
+            self._taken.extend(chunk_key(c) for c in chunks)
+            self.env_steps += sum(c.env_steps for c in chunks)
             fresh = [c for c in chunks if self.version - int(c.version[0]) <= p.max_staleness]
-            if len(fresh) < len(chunks):
-                told.append(queue.dropped_at_learner.remote(len(chunks) - len(fresh)))
-            if not fresh:
-                continue
-            figs = self.learner.learn(batch_columns(fresh), env_steps)
-            self.policy_lag.extend(float(self.version - int(c.version[0])) for c in fresh)
-            self.updates += figs["updates"]
-            self.trained_chunks += len(fresh)
-            self.figures.append({k: figs[k] for k in ("rho_mean", "rho_truncated", "clip_frac", "approx_kl")})
-            self.version += 1
-            await self.publish()
-            told.append(queue.set_version.remote(self.version))
+            self.stale_at_learner += len(chunks) - len(fresh)
+            if fresh:
+                figs = self.learner.learn(batch_columns(fresh), self.env_steps)
+                self.policy_lag.extend(float(self.version - int(c.version[0])) for c in fresh)
+                self.updates += figs["updates"]
+                self.trained_chunks += len(fresh)
+                self.figures.append({k: figs[k] for k in FIGURES})
+                self.version += 1
+                if every and self.version % every == 0:
+                    self._checkpoint()
+                # The queue first: it refuses a chunk acted by a version newer than its own.
+                await served(lambda: queue.set_version.remote(self.version), patience, self._retried)
+                await self.publish()
+            if not every or (fresh and self.version % every == 0):
+                # Awaited, and again while the queue restarts: a lost acknowledgement would have a
+                # restarted queue hand these chunks out a second time.
+                await served(lambda: queue.ack.remote(self._taken), patience, self._retried)
+                self._taken = []
             self.update_s += clock() - t1
-        await asyncio.gather(*told)  # the queue's counts are complete before the driver reads them
 
     async def _run_dqn(self, replay) -> None:
         """Learn until the replay closes. The next sample call is in flight while the learner
@@ -308,9 +349,9 @@ class LearnerHost:
                 self.updates += 1
                 if self.updates % d.publish_every == 0:
                     self.version += 1
-                    await self.publish()
                     if self.checkpoints is not None and self.version % self.sc.ray.learner_checkpoint_every == 0:
                         self._checkpoint()
+                    await self.publish()
             self.update_s += clock() - t1
             sent = replay.update_priorities.remote(slots, prio)
         if sent is not None:
@@ -318,6 +359,9 @@ class LearnerHost:
                 await sent
             except ray.exceptions.RayActorError:
                 self.priority_updates_lost += 1
+
+
+FIGURES = ("rho_mean", "rho_truncated", "clip_frac", "approx_kl")  # PPO's, per batch, averaged over the run
 
 
 def evaluate_weights(sc: EnvScenario, seed: int, weights: dict[str, np.ndarray], episodes: int, part: int) -> np.ndarray:
@@ -342,15 +386,17 @@ def run_async(
     check_fits(sc)
     journal_dir = None
     store_options = {"num_cpus": sc.ray.replay.num_cpus, "max_concurrency": sc.ray.replay.max_concurrency}
+    if sc.replay.durable:
+        # Only a journaled store is restarted: one without would come back empty, its rows lost.
+        journal_dir = make_owned(Path(workdir or tempfile.gettempdir()), ".asyncrl-replay-", JOURNAL_KIND)
+        store_options["max_restarts"] = sc.ray.max_restarts
     if sc.learner == "ppo":
-        store = ray.remote(SegmentQueue).options(**store_options).remote(sc.ppo.queue_chunks, sc.ppo.max_staleness)
+        store = ray.remote(SegmentQueue).options(**store_options).remote(
+            sc.ppo.queue_chunks, sc.ppo.max_staleness, str(journal_dir) if journal_dir is not None else None)
     else:
         args, kwargs = replay_args(sc, seed)
-        if sc.replay.durable:
-            # Only a journaled replay is restarted: one without would come back empty, its rows lost.
-            journal_dir = make_owned(Path(workdir or tempfile.gettempdir()), ".asyncrl-replay-", JOURNAL_KIND)
+        if journal_dir is not None:
             kwargs["journal"] = str(journal_dir / "replay.journal")
-            store_options["max_restarts"] = sc.ray.max_restarts
         store = ray.remote(TransitionReplay).options(**store_options).remote(*args, **kwargs)
     samplers = [
         ray.remote(SamplerHost).options(
@@ -388,7 +434,7 @@ def run_async(
             if ray.wait([learning], timeout=0)[0]:
                 if learner_dir is not None and _died(learning):
                     learner_restarts += 1
-                    learning = _restart_learner(learner, samplers, store, patience)
+                    learning = _restart_learner(learner, samplers, store, patience, ppo)
                     faults.recovered("learner", time.perf_counter() - t0)
                 else:
                     # The learner ended while samplers still ran: only an error does that, and the
@@ -453,6 +499,7 @@ def run_async(
         curve.learner.update(learned.get("figures", {}))
         curve.learner["restarts"] = learner_restarts
         curve.trained_chunks = learned["trained_chunks"]
+        curve.dropped_at_learner = learned["stale_at_learner"]
         curve.produced_chunks = sum(r["chunks"] for r in sampled)
         curve.replay = _served(lambda: store.stats.remote(), patience, "replay.stats")
         curve.replay["sampler_chunks"] = sum(r["chunks"] for r in sampled)
@@ -531,9 +578,15 @@ def _restart_sampler(i: int, incarnation: int, sampler, store, learner, per_samp
     return sampler.run.remote(store, per_sampler)
 
 
-def _restart_learner(learner, samplers: list, store, patience: float):
+def _restart_learner(learner, samplers: list, store, patience: float, ppo: bool):
     """The learner actor died and Ray restarts it from its latest checkpoint: it offers its weights
-    to every sampler, then learns again from the replay, which kept every row."""
+    to every sampler, then learns again from the store. The replay kept every row; the queue
+    hands out again, first, every chunk the checkpoint does not cover."""
+    if ppo:
+        version, covered = _served(lambda: learner.restart_point.remote(), patience, "learner.restart_point")
+        again = _served(lambda: store.rejoin.remote(covered, []), patience, "queue.rejoin")
+        _served(lambda: store.set_version.remote(version), patience, "queue.set_version")  # before any sampler acts with it
+        log.info("learner restarted: the queue hands it %d chunks again", again)
     version = _served(lambda: learner.publish.remote(samplers), patience, "learner.publish")
     log.info("learner restarted: goes on at version %d", version)
     return learner.run.remote(store)
