@@ -14,6 +14,11 @@ import numpy as np
 
 from core.model.sample import Group
 
+class RunStopped(Exception):
+    """The run was stopped on purpose after a step (``stop_at_step``), as a crash would stop
+    it; its checkpoints are left for ``--resume``."""
+
+
 # What a sync does to generations in flight: drain them, abort and resume them, or keep them
 # running on the new weights (engines frozen between decode steps while the weights load).
 PauseMode = Literal["wait", "abort", "keep"]

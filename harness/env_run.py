@@ -3,7 +3,9 @@ one report per run, a summary over seeds, and the evaluation return of every mod
 
 Written into a run directory asyncrl creates and stamps (the same rules as an LLM run's):
 ``DIR/seed-<s>/<mode>/report.json``, ``DIR/summary.json``, ``DIR/return_vs_time.png`` and
-``DIR/return_vs_env_steps.png``.
+``DIR/return_vs_env_steps.png``. With checkpoints (``checkpoint.every``) the directory is
+written in place: each run keeps its checkpoints in ``DIR/seed-<s>/<mode>/`` while it goes, a
+run that stopped goes on from them (``--resume``), and runs already reported are kept.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 from rich.console import Console
@@ -82,16 +85,26 @@ def metrics(sc: EnvScenario, curve: EnvCurve) -> dict:
     }
 
 
-def run_one(sc: EnvScenario, mode: str, seed: int, workdir: Path) -> EnvCurve:
+def run_one(sc: EnvScenario, mode: str, seed: int, workdir: Path, stop_at_version: Optional[int] = None) -> EnvCurve:
+    """One run; ``workdir`` is its own directory (its checkpoints, with ``checkpoint.every``)."""
     if sc.runtime == "sim":
         return run_env_sim(sc, mode, seed)
-    return asyncio.run(run_sync(sc, seed)) if mode == "sync" else run_async(sc, seed, workdir=workdir)
+    if mode == "sync":
+        return asyncio.run(run_sync(sc, seed, run_dir=workdir, stop_at_version=stop_at_version))
+    return run_async(sc, seed, workdir=workdir, stop_at_version=stop_at_version)
 
 
-def main(sc: EnvScenario, out: Path, console: Console, plots: bool) -> dict:
-    """Run every mode over every seed into ``out`` (built aside, moved into place whole)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = make_owned(out.parent, f".{out.name}.", "run")
+def main(sc: EnvScenario, out: Path, console: Console, plots: bool, *, in_place: bool = False,
+         stop_at_version: Optional[int] = None) -> dict:
+    """Run every mode over every seed into ``out``: built aside and moved into place whole, or,
+    ``in_place`` (a run with checkpoints, created and stamped by the caller), written where it
+    stays, each run's report as it finishes; runs already reported there are kept (a resume).
+    ``stop_at_version``: every run stops there (``RunStopped`` from the first)."""
+    if in_place:
+        staging = out
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = make_owned(out.parent, f".{out.name}.", "run")
     try:
         env = report.environment()
         per_mode: dict[str, dict[int, dict]] = {m: {} for m in sc.modes}
@@ -102,7 +115,16 @@ def main(sc: EnvScenario, out: Path, console: Console, plots: bool) -> dict:
                 check_fits(sc)  # before any mode runs
             for seed in sc.run_seeds():
                 for mode in sc.modes:
-                    curve = run_one(sc, mode, seed, staging)
+                    where = staging / f"seed-{seed}" / mode
+                    if (where / "report.json").is_file():  # finished before a resume
+                        done = report.read_json(where / "report.json")
+                        per_mode[mode][seed] = done["metrics"]
+                        ser = done["series"]
+                        curves[mode].append({"time_s": ser["eval_time_s"], "env_steps": ser["eval_env_steps"],
+                                             "reward": ser["eval_return"]})
+                        continue
+                    where.mkdir(parents=True, exist_ok=True)
+                    curve = run_one(sc, mode, seed, where, stop_at_version)
                     m = metrics(sc, curve)
                     got = (f"reached {sc.env.target_return:g} after {m['time_to_target_s']:.1f} s, {m['env_steps_to_target']:,} env steps"
                            if m["reached_target"] else f"did not reach {sc.env.target_return:g}")
@@ -113,8 +135,6 @@ def main(sc: EnvScenario, out: Path, console: Console, plots: bool) -> dict:
                                   f"in {m['train_s']:.1f} s", highlight=False)
                     per_mode[mode][seed] = m
                     curves[mode].append({"time_s": curve.wall_s, "env_steps": curve.env_steps, "reward": curve.eval_return})
-                    where = staging / f"seed-{seed}" / mode
-                    where.mkdir(parents=True)
                     report.write_json(where / "report.json", {
                         "schema": SCHEMA, "scenario": sc.model_dump(mode="json"), "mode": mode, "seed": seed,
                         **env, "metrics": m,
@@ -129,10 +149,12 @@ def main(sc: EnvScenario, out: Path, console: Console, plots: bool) -> dict:
         if plots and sc.runtime != "sim":  # a sim run evaluates nothing
             reward_curves_png(curves, sc.env.target_return, f"{sc.name}: greedy evaluation return ({sc.env.eval_episodes} episodes)",
                               staging, figures=RETURN_FIGURES, ylabel="mean evaluation return", per_seed=True)
-        remove_owned(out, "run")
-        staging.rename(out)
+        if not in_place:
+            remove_owned(out, "run")
+            staging.rename(out)
     except BaseException:
-        discard_owned(staging, "run")
+        if not in_place:
+            discard_owned(staging, "run")
         raise
     return summary
 

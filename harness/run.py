@@ -28,9 +28,9 @@ from rich.logging import RichHandler
 
 from core.real.workers import apply_env
 from core.runtimes.dispatch import run_mode
-from core.runtimes.inproc import RunStopped
+from core.api import RunStopped
 from core.runtimes.ray import cluster
-from core.runtimes.ray_env import PlacementError
+from core.runtimes.ray_env import PlacementError, check_resume as check_env_resume
 from core.runtimes.run_checkpoint import load_run, scenario_digest
 from core.store.checkpoint import CheckpointError
 from core.model.config import ConfigError, with_changes
@@ -98,11 +98,17 @@ def main(argv: list[str] | None = None) -> int:
 
     if isinstance(variants[0].scenario, EnvScenario):
         sc = variants[0].scenario
+        in_place = bool(sc.checkpoint.every)
+        if in_place and args.resume is None:
+            _start_in_place(sc, out)
         try:
-            summary = env_run.main(sc, out, console, plots=not args.no_plots)
+            summary = env_run.main(sc, out, console, plots=not args.no_plots, in_place=in_place, stop_at_version=args.stop_at_step)
         except (PlacementError, ConfigError) as exc:  # what only the cluster (or env.id) can tell, before any actor starts
             err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             return 2
+        except RunStopped as exc:
+            console.print(f"{exc}; its checkpoints are in {out}. Go on with: python -m harness.run --resume {out}", highlight=False)
+            return 0
         console.print(env_run.table(sc, summary))
         figures = [] if args.no_plots or sc.runtime == "sim" else [name for _, name, _ in RETURN_FIGURES]
         console.print(f"reports in {out}: summary.json, seed-<s>/<mode>/report.json" + "".join(f", {f}" for f in figures), highlight=False)
@@ -111,12 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     first = variants[0].scenario
     in_place = args.resume is not None or _resumable_run(first, args)
     if in_place:
-        # A run that may stop and resume is written where it stays, its resolved scenario first.
         if args.resume is None:
-            remove_owned(out, "run")
-            out.mkdir(parents=True)
-            stamp(out, "run")
-            report.write_json(out / SCENARIO_FILE, first.model_dump(mode="json"))
+            _start_in_place(first, out)
         staging = out
     else:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -173,16 +175,32 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _start_in_place(sc, out: Path) -> None:
+    """A run that may stop and resume is written where it stays, its resolved scenario first."""
+    remove_owned(out, "run")
+    out.mkdir(parents=True)
+    stamp(out, "run")
+    report.write_json(out / SCENARIO_FILE, sc.model_dump(mode="json"))
+
+
 def _check_env_run(variants: list[Variant], out: Path, args) -> None:
-    """An env scenario runs whole: one scenario, no checkpoints or profiles yet (issue 14)."""
+    """An env scenario: one scenario per file; ``--stop-at-step`` counts learner versions and
+    needs checkpoints; no profiles yet (issue 14)."""
+    sc = variants[0].scenario
     if len(variants) > 1 or variants[0].label is not None:
         raise ScenarioError(f"{args.scenario}: an env scenario with variants is not supported yet; fix: one scenario per file")
-    for flag, given in (("--stop-at-step", args.stop_at_step is not None), ("--profile", args.profile)):
-        if given:
-            raise ScenarioError(f"{flag}: not supported for an env scenario yet; fix: drop {flag}")
+    if args.profile:
+        raise ScenarioError("--profile: not supported for an env scenario yet; fix: drop --profile")
+    if args.stop_at_step is not None:
+        if not sc.checkpoint.every:
+            raise ScenarioError(f"--stop-at-step {args.stop_at_step}: the run keeps no checkpoints to resume from; "
+                                "fix: --set checkpoint.every=10")
+        if args.stop_at_step < 1:
+            raise ScenarioError(f"--stop-at-step {args.stop_at_step}: counts learner versions, from 1; fix: pick 1 or more")
     if not replaceable(out, "run", "summary.json"):
+        if is_owned(out, "run") and (out / SCENARIO_FILE).is_file():
+            raise ScenarioError(f"--out {out}: holds a run that has not finished; fix: --resume {out}, or pass a new directory")
         raise ScenarioError(f"--out {out}: exists and is not a run directory asyncrl created; fix: pass a new directory")
-    sc = variants[0].scenario
     if sc.runtime == "sim" and sc.sim.row_bytes is not None and sc.sim.param_bytes is not None:
         return  # env.id is then a label: the sim never makes the environment
     try:
@@ -251,6 +269,13 @@ def _resumable(args) -> tuple[list[Variant], Path, dict]:
                 f"{args.scenario}: is not the scenario {run_dir} was run with ({sc.name!r}, in {run_dir / SCENARIO_FILE}); "
                 "fix: resume without a scenario file, or with the one it ran"
             )
+    if isinstance(sc, EnvScenario):
+        for seed in sc.run_seeds():
+            for mode in sc.modes:
+                where = run_dir / f"seed-{seed}" / mode
+                if not (where / "report.json").is_file():
+                    check_env_resume(where)  # every checkpoint is read and checked before anything runs
+        return [Variant(None, sc)], run_dir, {}
     done = {}
     for mode in sc.modes:
         rep = run_dir / mode / "report.json"

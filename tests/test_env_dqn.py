@@ -134,7 +134,7 @@ def test_sync_dqn_is_deterministic_for_a_seed():
     ({"seeds": [0, -1]}, r"seeds = \[0, -1\]: seeds must be distinct and not negative"),
     ({"dqn.hidden": [64, 0]}, r"dqn.hidden = \[64, 0\]: every layer needs a width of at least 1"),
     ({"faults": [{"target": "learner", "at_env_steps": 10}]},
-     r"faults.0.target = 'learner': a learner that keeps no checkpoint cannot come back; fix: set ray.learner_checkpoint_every"),
+     r"faults.0.target = 'learner': a learner that keeps no checkpoint cannot come back; fix: set checkpoint.every"),
     ({"learner": "ppo", "faults": [{"target": "learner", "at_env_steps": 10}]},
      r"faults.0.target = 'learner': a learner that keeps no checkpoint cannot come back"),
     ({"learner": "ppo", "faults": [{"target": "replay", "at_env_steps": 10}]},

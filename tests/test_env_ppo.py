@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from core.api import RunStopped
 from core.env.chunk_intake import ChunkAccountingError
 from core.env.ppo import vtrace
 from core.env.segment_queue import SegmentQueue
@@ -263,3 +264,27 @@ def test_chunks_are_trained_once_through_any_order_of_checkpoints_and_deaths(see
                 + st["chunks_refused"]) == st["chunks"]
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("learner", ["ppo", "dqn"])
+def test_a_sync_run_stopped_at_a_version_resumes_to_the_same_counts(tmp_path, learner):
+    """Stopped at version 5 and resumed, a sync run ends where an uninterrupted one does: the same
+    versions, chunks and env steps (PPO: the same updates; DQN: the rate limit's updates to within
+    the one batch the stop cut short). Only its environments' episodes start anew."""
+    base = {"learner": learner, "checkpoint.every": 2, "env.env_steps": 4096, "env.eval_every": 2048, "env.eval_episodes": 3}
+    if learner == "dqn":
+        base.update({"replay.min_size_to_sample": 512, "dqn.batches_per_call": 4, "dqn.publish_every": 32,
+                     "replay.samples_per_insert": 4.0, "dqn.hidden": [32, 32]})
+    sc = with_changes(EnvScenario(), base)
+    with pytest.raises(RunStopped, match="stopped after learner version 5"):
+        asyncio.run(run_sync(sc, 0, stop_at_target=False, run_dir=tmp_path, stop_at_version=5))
+    assert (tmp_path / "store").is_dir()
+    resumed = asyncio.run(run_sync(sc, 0, stop_at_target=False, run_dir=tmp_path))
+    whole = asyncio.run(run_sync(sc, 0, stop_at_target=False))
+    assert resumed.learner["resumes"] == 1 and not (tmp_path / "store").exists()
+    assert resumed.versions == whole.versions and resumed.produced_chunks == whole.produced_chunks
+    assert resumed.replay["env_steps"] == whole.replay["env_steps"] and resumed.replay["chunks"] == resumed.produced_chunks
+    assert abs(resumed.updates - whole.updates) <= (0 if learner == "ppo" else 1)
+    if learner == "ppo":
+        assert resumed.trained_chunks == whole.trained_chunks == resumed.produced_chunks
+    assert resumed.env_steps == whole.env_steps  # evaluated at the same env steps, the ones before the stop kept

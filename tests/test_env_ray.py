@@ -94,7 +94,7 @@ def test_killing_the_learner_mid_run_goes_on_from_its_checkpoint(ray_session):
     weights under a version past any the dead one published, and learns on from the replay,
     which kept every row: the run finishes with every chunk counted."""
     sc = with_changes(EnvScenario(), {
-        **QUICK, "ray.learner_checkpoint_every": 2, "faults": [{"target": "learner", "at_env_steps": 3_500}],
+        **QUICK, "checkpoint.every": 2, "faults": [{"target": "learner", "at_env_steps": 3_500}],
     })
     curve = run_async(sc, seed=0, stop_at_target=False)
     st, ler = curve.replay, curve.learner
@@ -117,7 +117,7 @@ def test_killing_ppos_queue_and_learner_mid_run_trains_every_chunk_once(ray_sess
     sc = with_changes(EnvScenario(), {
         "learner": "ppo", "env.env_steps": 8_000, "env.samplers": 2, "env.eval_every": 4_000, "env.eval_episodes": 10,
         "ppo.epochs": 2, "ppo.queue_chunks": 2, "ppo.max_staleness": 4, "ray.sampler.num_cpus": 0.5,
-        "replay.durable": True, "ray.learner_checkpoint_every": 2,
+        "replay.durable": True, "checkpoint.every": 2,
         "faults": [{"target": "replay", "at_env_steps": 2_500}, {"target": "learner", "at_env_steps": 5_000}],
     })
     curve = run_async(sc, seed=0, stop_at_target=False)

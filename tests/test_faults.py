@@ -29,7 +29,7 @@ from core.store import checkpoint
 from core.store.checkpoint import CheckpointError, Snapshot
 from core.model.config import MODES, ConfigError, Scenario, with_changes
 from core.runtimes.dispatch import run_mode
-from core.runtimes.inproc import RunStopped
+from core.api import RunStopped
 from core.sim.costs import DecodeCost
 from core.sim.engine import SimEngine
 from core.sim.workload import Workload

@@ -250,7 +250,7 @@ def test_local_run_stopped_and_resumed_accounts_for_every_sample(tiny_model_dir,
     """The local runtime checkpoints weights and Adam's moments beside the run's state; a
     run stopped mid-way resumes from them and ends where the plan says."""
     from core.store.checkpoint import latest, load_tensors
-    from core.runtimes.inproc import RunStopped
+    from core.api import RunStopped
     from core.runtimes.run_checkpoint import checkpoint_dir
     from core.real.workers import make_backend
 

@@ -17,20 +17,27 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 import torch
 
+from core.api import RunStopped
+from core.env import learner_checkpoint
 from core.env.evaluation import episode_returns
 from core.env.sampler import Policy
 from core.env.segment_queue import SegmentQueue, batch_columns
 from core.env.transition_replay import TransitionReplay
+from core.env.learner_checkpoint import LEARNER_KIND
 from core.env.wiring import (
-    EVAL_SEED, beta_at, learner_threads, make_learner, make_policy, make_queue, make_replay, make_sampler,
+    EVAL_SEED, JOURNAL_KIND, SAMPLER_SEED, beta_at, learner_threads, make_learner, make_policy, make_queue, make_replay, make_sampler,
 )
 from core.model.env_config import EnvScenario
+from core.model.owned import remove_owned, stamp
+from core.store import checkpoint
+from core.store.queue_journal import chunk_key
 
 log = logging.getLogger(__name__)
 
@@ -83,25 +90,68 @@ def greedy_return(sc: EnvScenario, seed: int) -> Callable[[Policy], float]:
 
 async def run_sync(
     sc: EnvScenario, seed: int, *, evaluate: Optional[Callable[[Policy], float]] = None,
-    stop_at_target: bool = True,
+    stop_at_target: bool = True, run_dir: Optional[Path] = None, stop_at_version: Optional[int] = None,
 ) -> EnvCurve:
     """Train for ``env.env_steps`` (or until an evaluation reaches ``env.target_return``, with
-    ``stop_at_target``). Evaluations run every ``env.eval_every`` env steps and at the end."""
+    ``stop_at_target``). Evaluations run every ``env.eval_every`` env steps and at the end.
+
+    ``run_dir``: with ``checkpoint.every``, the store's journal and the learner's checkpoints
+    live there, and a run that finds a checkpoint there goes on from it: the learner and the
+    curve as checkpointed, the store as journaled, the sampler at the chunk after the last the
+    store took, its environments in new episodes. ``stop_at_version``: stop once that version
+    is checkpointed, as a crash would (``RunStopped``)."""
     evaluate = evaluate or greedy_return(sc, seed)
     torch.set_num_threads(learner_threads(sc))
+    every = sc.checkpoint.every if run_dir is not None else 0
+    ppo = sc.learner == "ppo"
+    ckpt_dir = Path(run_dir) / "checkpoints" if every else None
+    store_dir = Path(run_dir) / "store" if every else None
+    if every and checkpoint.latest(ckpt_dir) is None:
+        remove_owned(store_dir, JOURNAL_KIND)  # stopped before its first checkpoint, if at all: start again
+    for d, kind in ((ckpt_dir, LEARNER_KIND), (store_dir, JOURNAL_KIND)):
+        if d is not None and not d.exists():
+            d.mkdir()
+            stamp(d, kind)
     policy = make_policy(sc, seed, 0)
     sampler = make_sampler(sc, seed, 0, policy)
-    store = make_queue(sc) if sc.learner == "ppo" else make_replay(sc, seed)
+    store = make_queue(sc, store_dir) if ppo else make_replay(sc, seed, store_dir)
     learner = make_learner(sc, seed)
-    policy.set_weights(learner.weights(), 0)
     curve = EnvCurve()
-    t0 = time.perf_counter()
     next_eval = sc.env.eval_every
-    eval_s = 0.0  # evaluations are measurement, not training: the clock stops while they run
     update_s = 0.0
+    resumes = 0
+    taken: list[int] = []  # PPO: keys of chunks taken since the last checkpoint
+    restored = learner_checkpoint.load(ckpt_dir, learner, every) if every else None
+    if restored is not None:
+        version, st, arrays = restored
+        curve = curve_from_state(st["curve"], arrays)
+        curve.versions = version
+        next_eval, update_s, resumes = st["next_eval"], st["update_s"], st["resumes"] + 1
+        seq, env_steps = await store.resume_point(0)
+        sampler.resume(seq, env_steps, seed=seed * 7919 + SAMPLER_SEED + RESUMED_SEED * resumes)
+        if ppo:
+            store.rejoin(arrays["taken"].tolist(), [])
+            store.set_version(version)
+        log.info("resumed from version %d at %d env steps", st["version"], env_steps)
+    policy.set_weights(learner.weights(), curve.versions)
+    t0 = time.perf_counter() - curve.train_s
+    eval_s = 0.0  # evaluations are measurement, not training: the clock stops while they run
 
     def publish() -> None:
         curve.versions += 1
+        stop = stop_at_version is not None and curve.versions >= stop_at_version
+        if stop or (every and curve.versions % every == 0):
+            curve.train_s = time.perf_counter() - t0 - eval_s
+            curve.learner = {"update_s": update_s}
+            scalars, arrays = curve_state(curve)
+            arrays["taken"] = np.asarray(taken, np.int64)
+            learner_checkpoint.save(ckpt_dir, curve.versions, learner, {
+                "curve": scalars, "next_eval": next_eval, "update_s": update_s, "resumes": resumes}, arrays, last=stop)
+            if ppo:
+                store.ack(taken)
+                taken.clear()
+        if stop:
+            raise RunStopped(f"stopped after learner version {curve.versions}")
         policy.set_weights(learner.weights(), curve.versions)
 
     async def learn_dqn(replay: TransitionReplay) -> None:
@@ -123,14 +173,15 @@ async def run_sync(
         k = sc.ppo.chunks_per_batch
         while len(queue) >= k:
             chunks = await queue.get_batch(k)
+            taken.extend(chunk_key(c) for c in chunks)
             u0 = time.perf_counter()
             figs = learner.learn(batch_columns(chunks), sampler.env_steps)
             update_s += time.perf_counter() - u0
             curve.policy_lag.append(curve.versions - float(np.mean([c.version[0] for c in chunks])))
             curve.updates += figs["updates"]
             curve.trained_chunks += k
+            queue.set_version(curve.versions + 1)  # first: the queue refuses a chunk newer than its version
             publish()
-            queue.set_version(curve.versions)
 
     def record() -> bool:
         nonlocal eval_s
@@ -143,24 +194,54 @@ async def run_sync(
         log.info("env steps %d: evaluation return %.1f (%d updates)", sampler.env_steps, score, curve.updates)
         return stop_at_target and score >= sc.env.target_return
 
+    learn = learn_ppo if ppo else learn_dqn
     try:
+        if restored is not None:
+            # A stop can come mid-learning: what the store still owes the learner comes first, or
+            # a rate limit that waits for those samples would hold the next insert for ever.
+            await learn(store)
         while sampler.env_steps < sc.env.env_steps:
             chunk = sampler.collect()
             curve.episodes += len(chunk.episode_returns)
             await store.insert_chunk(chunk)
-            await (learn_ppo(store) if isinstance(store, SegmentQueue) else learn_dqn(store))
+            await learn(store)
             if sampler.env_steps >= next_eval:
                 next_eval += sc.env.eval_every
                 if record():
-                    return curve
-        if not curve.env_steps or curve.env_steps[-1] != sampler.env_steps:
-            record()  # the final policy, unless the last evaluation already saw it
-        return curve
+                    break
+        else:
+            if not curve.env_steps or curve.env_steps[-1] != sampler.env_steps:
+                record()  # the final policy, unless the last evaluation already saw it
     finally:
-        curve.train_s = time.perf_counter() - t0 - eval_s
-        curve.learner = {"update_s": update_s}
-        if isinstance(store, SegmentQueue):
-            store.close()  # counts what is still queued as left at the end
-        curve.replay = store.stats()
-        curve.produced_chunks = sampler.chunks
-        sampler.close()
+        sampler.close()  # on a stop or a crash the store stays as it is, for the resume
+    curve.train_s = time.perf_counter() - t0 - eval_s
+    curve.learner = {"update_s": update_s, "resumes": resumes}
+    if ppo:
+        store.close()  # counts what is still queued as left at the end
+    curve.replay = store.stats()
+    curve.produced_chunks = sampler.chunks
+    if every:  # the journal is the size of everything taken; the last checkpoint stays
+        remove_owned(store_dir, JOURNAL_KIND)
+    return curve
+
+
+# Sampler seeds after a resume: far from those the run started with.
+RESUMED_SEED = 104_729
+
+
+def curve_state(curve: EnvCurve) -> tuple[dict, dict[str, np.ndarray]]:
+    """A curve as a checkpoint holds it: its lists as arrays, the rest as they are."""
+    scalars, arrays = {}, {}
+    for f in fields(curve):
+        v = getattr(curve, f.name)
+        if isinstance(v, list):
+            arrays[f"curve.{f.name}"] = np.asarray(v, np.float64)
+        else:
+            scalars[f.name] = v
+    return scalars, arrays
+
+
+def curve_from_state(scalars: dict, arrays: dict[str, np.ndarray]) -> EnvCurve:
+    lists = {f.name: arrays[f"curve.{f.name}"].tolist() for f in fields(EnvCurve) if f"curve.{f.name}" in arrays}
+    lists["env_steps"] = [int(x) for x in lists.get("env_steps", [])]
+    return EnvCurve(**scalars, **lists)

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Union
+from pathlib import Path
+from typing import Optional, Union
 
 import gymnasium as gym
 import numpy as np
@@ -31,6 +32,7 @@ from core.model.env_config import EnvScenario
 
 # Seeds of the parts of one run, apart so that no two draw the same random stream.
 SAMPLER_SEED, EVAL_SEED = 1_000, 7_000
+JOURNAL_KIND = "replay-journal"  # the stamp of a store's journal directory
 
 
 @dataclass(frozen=True)
@@ -101,9 +103,10 @@ def make_learner(sc: EnvScenario, seed: int) -> Union[DQNLearner, PPOLearner]:
     return DQNLearner(space.obs_dim, space.actions, d.hidden, lr=d.lr, target_every=d.target_every, grad_clip=d.grad_clip, seed=seed)
 
 
-def make_queue(sc: EnvScenario) -> SegmentQueue:
-    """PPO's intake: chunks in arrival order, each trained once, too-stale ones dropped."""
-    return SegmentQueue(sc.ppo.queue_chunks, sc.ppo.max_staleness)
+def make_queue(sc: EnvScenario, journal_dir: Optional[Path] = None) -> SegmentQueue:
+    """PPO's intake: chunks in arrival order, each trained once, too-stale ones dropped;
+    journaled in ``journal_dir`` (and rebuilt from it, if it holds a journal)."""
+    return SegmentQueue(sc.ppo.queue_chunks, sc.ppo.max_staleness, journal_dir)
 
 
 def replay_spec(sc: EnvScenario) -> dict[str, tuple]:
@@ -116,16 +119,18 @@ def replay_spec(sc: EnvScenario) -> dict[str, tuple]:
     }
 
 
-def replay_args(sc: EnvScenario, seed: int) -> tuple[tuple, dict]:
+def replay_args(sc: EnvScenario, seed: int, journal_dir: Optional[Path] = None) -> tuple[tuple, dict]:
     """The arguments of the scenario's ``TransitionReplay``: built here, constructed in process or
-    in the replay actor."""
+    in the replay actor; journaled in ``journal_dir`` (and rebuilt from it, if it holds a journal)."""
     r = sc.replay
     limiter = RateLimiter(r.samples_per_insert, r.min_size_to_sample, sc.error_buffer(), sc.max_chunk_rows(), sc.max_sample_rows())
-    return (r.capacity, replay_spec(sc)), {"limiter": limiter, "prioritized": r.prioritized, "alpha": r.alpha, "seed": seed}
+    journal = str(Path(journal_dir) / "replay.journal") if journal_dir is not None else None
+    return (r.capacity, replay_spec(sc)), {"limiter": limiter, "prioritized": r.prioritized, "alpha": r.alpha, "seed": seed,
+                                           "journal": journal}
 
 
-def make_replay(sc: EnvScenario, seed: int) -> TransitionReplay:
-    args, kwargs = replay_args(sc, seed)
+def make_replay(sc: EnvScenario, seed: int, journal_dir: Optional[Path] = None) -> TransitionReplay:
+    args, kwargs = replay_args(sc, seed, journal_dir)
     return TransitionReplay(*args, **kwargs)
 
 

@@ -160,13 +160,19 @@ class EnvRaySpec(_Frozen):
     """The store actor (DQN's replay, PPO's queue): bookkeeping and sampling, no network."""
     max_restarts: int = Field(3, ge=0)
     """Times Ray restarts a sampler, replay or (checkpointed) learner actor that died, per actor."""
-    learner_checkpoint_every: int = Field(0, ge=0)
-    """Weight versions between the learner actor's checkpoints (its networks, Adam's state and its
-    counts, in a directory asyncrl creates and removes). A restarted learner goes on from the
-    latest, numbering its versions past any it published since; PPO's queue hands it again the
-    chunks that checkpoint does not cover. 0: none, and a dead learner ends the run."""
     recovery_timeout_s: float = Field(60.0, gt=0)
     """How long a caller retries a restarting actor before the run fails with an error naming it."""
+
+
+class EnvCheckpointSpec(_Frozen):
+    """Checkpoints of a run, in its directory: what ``--resume RUN_DIR`` goes on from."""
+
+    every: int = Field(0, ge=0)
+    """Learner versions between checkpoints of the learner (its networks, optimizer and counts);
+    the store (DQN's replay, PPO's queue) then journals everything it takes. A run with them is
+    written in place and resumes with ``--resume`` from where it stopped; in async mode a
+    learner actor that dies also comes back from its latest, numbering its versions past any
+    it published since. 0: none (a dead learner ends the run)."""
 
 
 class EnvFaultSpec(_Frozen):
@@ -178,8 +184,8 @@ class EnvFaultSpec(_Frozen):
     target: Literal["sampler", "replay", "learner"] = "sampler"
     """A sampler actor (it resumes at its next chunk; the one it was collecting was never sent),
     the store actor, DQN's replay or PPO's queue (it rebuilds from its journal: needs
-    `replay.durable`), or the learner actor (it goes on from its latest checkpoint: needs
-    `ray.learner_checkpoint_every`)."""
+    `replay.durable` or checkpoints), or the learner actor (it goes on from its latest checkpoint:
+    needs `checkpoint.every`)."""
     sampler: int = Field(0, ge=0)
     """Which sampler, from 0."""
     at_env_steps: int = Field(..., ge=1)
@@ -265,6 +271,8 @@ class EnvScenario(_Frozen):
     """The DQN replay and its rate limit (read when `learner` is dqn)."""
     ray: EnvRaySpec = EnvRaySpec()
     """Async mode's Ray instance and actors."""
+    checkpoint: EnvCheckpointSpec = EnvCheckpointSpec()
+    """Checkpoints of the run, for ``--resume`` and for a learner actor that dies."""
     faults: tuple[EnvFaultSpec, ...] = ()
     """Faults injected into async runs (a sync run has no actors to kill)."""
     runtime: Literal["ray", "sim"] = "ray"
@@ -285,6 +293,9 @@ class EnvScenario(_Frozen):
             )
         if self.faults:
             raise ConfigError("faults", "[...]", "the sim runtime has no actors to kill", "remove faults, or use runtime: ray")
+        if self.checkpoint.every:
+            raise ConfigError("checkpoint.every", self.checkpoint.every, "the sim runtime learns nothing to checkpoint",
+                              "set it to 0, or use runtime: ray")
         if "async" in self.modes and s.machines > self.env.samplers:
             raise ConfigError(
                 "sim.machines", s.machines, f"is more machines than env.samplers = {self.env.samplers}, so some would hold no sampler",
@@ -351,14 +362,18 @@ class EnvScenario(_Frozen):
             if f.target == "sampler" and f.sampler >= self.env.samplers:
                 raise ConfigError(f"{key}.sampler", f.sampler, f"there are {self.env.samplers} samplers (env.samplers)",
                                   f"use a sampler index below {self.env.samplers}")
-            if f.target == "learner" and not self.ray.learner_checkpoint_every:
+            if f.target == "learner" and not self.checkpoint.every:
                 raise ConfigError(f"{key}.target", f.target, "a learner that keeps no checkpoint cannot come back",
-                                  "set ray.learner_checkpoint_every, e.g. 10")
-            if f.target == "replay" and not self.replay.durable:
+                                  "set checkpoint.every, e.g. 10")
+            if f.target == "replay" and not self.durable_store():
                 raise ConfigError(f"{key}.target", f.target, "a store (replay or queue) that is not journaled loses its rows when it dies",
                                   "set replay.durable: true")
             if self.ray.max_restarts < 1:
                 raise ConfigError("ray.max_restarts", self.ray.max_restarts, "a killed actor would not come back", "use at least 1")
+
+    def durable_store(self) -> bool:
+        """Whether the store journals what it takes: asked for, or needed by checkpoints."""
+        return self.replay.durable or bool(self.checkpoint.every)
 
     def max_chunk_rows(self) -> int:
         """The most rows one chunk carries: every env's steps, plus rows a finished episode releases."""

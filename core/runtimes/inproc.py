@@ -8,17 +8,13 @@ import asyncio
 import contextlib
 from typing import Optional
 
+from core.api import RunStopped
 from core.model.faults import WorkerLost, worker_key
 from core.pipeline.wiring import System, end_rollout, release_unused
 from core.runtimes.run_checkpoint import due, restore_trainer, save_run
 from core.runtimes.supervision import FaultInjector, TrainerDied, strike, supervise_trainer
 
 SyncPoint = tuple[int, float, float]  # (version, t0, t1) of a sync a checkpoint was taken in
-
-
-class RunStopped(Exception):
-    """The run was stopped on purpose after a step (``stop_at_step``), as a crash would stop
-    it; its checkpoints are left for ``--resume``."""
 
 
 class InProcTargets:

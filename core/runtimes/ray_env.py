@@ -28,6 +28,7 @@ import asyncio
 import logging
 import tempfile
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -35,18 +36,20 @@ import numpy as np
 import ray
 import torch
 
-from core.api import PauseMode
+from core.api import PauseMode, RunStopped
 from core.env.evaluation import episode_returns
 from core.env.segment_queue import SegmentQueue, batch_columns
 from core.env.sync_loop import EnvCurve
 from core.env.transition_replay import TransitionReplay
-from core.env.wiring import EVAL_SEED, beta_at, learner_threads, make_learner, make_policy, make_sampler, replay_args
+from core.env.learner_checkpoint import LEARNER_KIND
+from core.env.wiring import EVAL_SEED, JOURNAL_KIND, beta_at, learner_threads, make_learner, make_policy, make_sampler, replay_args
 from core.model.env_config import EnvScenario
 from core.model.faults import FaultLog
-from core.model.owned import discard_owned, make_owned
+from core.model.owned import discard_owned, make_owned, remove_owned, stamp
 from core.pipeline.param_sync import ParamSync
 from core.pipeline.staleness_queue import QueueClosed
 from core.runtimes.object_store_transfer import ObjectStoreTransfer
+from core.env import learner_checkpoint
 from core.store import checkpoint
 from core.store.queue_journal import chunk_key
 
@@ -164,7 +167,9 @@ class LearnerHost:
     weights after each batch, and acknowledges the chunks to the queue once its state covers
     them (at its checkpoint, or at once if it keeps none)."""
 
-    def __init__(self, sc: EnvScenario, seed: int, checkpoints: Optional[str] = None) -> None:
+    def __init__(self, sc: EnvScenario, seed: int, checkpoints: Optional[str] = None, stop_at: Optional[int] = None) -> None:
+        """``checkpoints``: where to keep them (and restore from, if any are there); ``stop_at``:
+        stop after this version, checkpointed, as a crash would stop the run (``--stop-at-step``)."""
         torch.set_num_threads(learner_threads(sc))
         self.sc = sc
         self.learner = make_learner(sc, seed)
@@ -186,43 +191,43 @@ class LearnerHost:
         self.priority_updates_lost = 0  # sent to a replay that died before it applied them
         self.checkpoints = Path(checkpoints) if checkpoints else None
         self.restored_from: Optional[int] = None
-        if self.checkpoints is not None and (path := checkpoint.latest(self.checkpoints)) is not None:
-            self._restore(path)
+        self.stop_at = stop_at
+        self.stopped = False
+        if self.checkpoints is not None:
+            self._restore()
 
     # Counts a checkpoint keeps, beside the learner's own state.
     _KEPT = ("updates", "update_s", "sample_wait_s", "store_retries", "priority_updates_lost", "trained_chunks",
              "stale_at_learner", "env_steps")
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, last: bool = False) -> None:
         """Taken before the version's weights go out, so that a restart's next version (see
-        ``_restore``) is one the dead learner never published."""
-        counters, arrays = self.learner.state()
-        state = {"version": self.version, "learner": counters, "stems": list(arrays),
-                 **{k: getattr(self, k) for k in self._KEPT}}
+        ``learner_checkpoint``) is one the dead learner never published."""
         kept = {"policy_lag": np.asarray(self.policy_lag, np.float64), "taken": np.asarray(self._taken, np.int64)}
         kept.update({f"figure.{k}": np.asarray([f[k] for f in self.figures], np.float64) for k in FIGURES})
-        checkpoint.save(self.checkpoints, self.version, checkpoint.Snapshot(state=state, arrays=kept), tensors=arrays)
+        learner_checkpoint.save(self.checkpoints, self.version, self.learner, {k: getattr(self, k) for k in self._KEPT}, kept,
+                                last=last)
 
-    def _restore(self, path: Path) -> None:
-        """This actor was restarted: the learner as its latest checkpoint left it. Its versions go on
-        past any the dead one could have published since (fewer than ``learner_checkpoint_every``),
-        so that every sampler takes the next one."""
-        snap = checkpoint.load(path)
-        st = snap.state
-        self.learner.load_state(st["learner"], {k: checkpoint.load_tensors(path, k) for k in st["stems"]})
+    def _restore(self) -> bool:
+        """This actor was restarted, or the run resumed: the learner as its latest checkpoint
+        left it. False if there is none."""
+        got = learner_checkpoint.load(self.checkpoints, self.learner, self.sc.checkpoint.every)
+        if got is None:
+            return False
+        self.version, st, arrays = got
         for k in self._KEPT:
             setattr(self, k, st[k])
-        self.policy_lag = snap.arrays["policy_lag"].tolist()
-        self._covered = snap.arrays["taken"].tolist()
-        figs = [snap.arrays[f"figure.{k}"].tolist() for k in FIGURES]
-        self.figures = [dict(zip(FIGURES, row)) for row in zip(*figs)]
+        self.policy_lag = arrays["policy_lag"].tolist()
+        self._covered = arrays["taken"].tolist()
         self._taken = list(self._covered)  # acknowledged again with the next batch's: a no-op if the queue had them
+        figs = [arrays[f"figure.{k}"].tolist() for k in FIGURES]
+        self.figures = [dict(zip(FIGURES, row)) for row in zip(*figs)]
         self.restored_from = st["version"]
-        self.version = st["version"] + self.sc.ray.learner_checkpoint_every
         # At once under the new number: another death before the next checkpoint must not come
         # back to the old one and number again versions this actor publishes.
         self._checkpoint()
         log.info("learner restored from version %d (%d updates); goes on as version %d", st["version"], self.updates, self.version)
+        return True
 
     def restart_point(self) -> tuple[int, list[int]]:
         """(the version this restarted actor goes on at, the chunks its checkpoint had taken since
@@ -231,6 +236,17 @@ class LearnerHost:
 
     def _retried(self) -> None:
         self.store_retries += 1
+
+    def _versioned(self) -> bool:
+        """A new version exists: checkpoint it if due, before its weights go out. True if the run
+        stops here (``stop_at``)."""
+        every = self.sc.checkpoint.every if self.checkpoints is not None else 0
+        self.stopped = self.stop_at is not None and self.version >= self.stop_at
+        if self.stopped:
+            self._checkpoint(last=True)
+        elif every and self.version % every == 0:
+            self._checkpoint()
+        return self.stopped
 
     async def publish(self, samplers: Optional[list] = None) -> int:
         """Put the weights in the object store once and offer that reference to every sampler
@@ -255,7 +271,7 @@ class LearnerHost:
                "stale_at_learner": self.stale_at_learner,
                "store_retries": self.store_retries, "priority_updates_lost": self.priority_updates_lost,
                "publish_s": sum(self.param_sync.pause_s), "put_s": self.transfer.put_s, "weight_bytes": self.transfer.bytes,
-               "restored_from": self.restored_from}
+               "restored_from": self.restored_from, "stopped": self.stopped}
         if self.figures:
             out["figures"] = {k: float(np.mean([f[k] for f in self.figures])) for k in self.figures[0]}
         return out
@@ -266,7 +282,7 @@ class LearnerHost:
         two). A chunk that has grown too stale by the time the learner reaches it is dropped
         (and counted here)."""
         p = self.sc.ppo
-        every = self.sc.ray.learner_checkpoint_every if self.checkpoints is not None else 0
+        every = self.sc.checkpoint.every if self.checkpoints is not None else 0
         patience = self.sc.ray.recovery_timeout_s
         clock = time.perf_counter
         while True:
@@ -297,8 +313,8 @@ class LearnerHost:
                 self.trained_chunks += len(fresh)
                 self.figures.append({k: figs[k] for k in FIGURES})
                 self.version += 1
-                if every and self.version % every == 0:
-                    self._checkpoint()
+                if self._versioned():
+                    break
                 # The queue first: it refuses a chunk acted by a version newer than its own.
                 await served(lambda: queue.set_version.remote(self.version), patience, self._retried)
                 await self.publish()
@@ -349,8 +365,8 @@ class LearnerHost:
                 self.updates += 1
                 if self.updates % d.publish_every == 0:
                     self.version += 1
-                    if self.checkpoints is not None and self.version % self.sc.ray.learner_checkpoint_every == 0:
-                        self._checkpoint()
+                    if self._versioned():
+                        return
                     await self.publish()
             self.update_s += clock() - t1
             sent = replay.update_priorities.remote(slots, prio)
@@ -377,69 +393,113 @@ _evaluate = ray.remote(num_cpus=0)(evaluate_weights)
 
 def run_async(
     sc: EnvScenario, seed: int, *, stop_at_target: bool = True, eval_tasks: int = 2, poll_s: float = 0.2,
-    workdir: Optional[Path] = None,
+    workdir: Optional[Path] = None, stop_at_version: Optional[int] = None,
 ) -> EnvCurve:
-    """One async run on the Ray instance this process is connected to. ``workdir``: where a
-    durable replay keeps its journal, in a directory asyncrl creates and removes (default: the
-    system's temporary directory)."""
+    """One async run on the Ray instance this process is connected to.
+
+    ``workdir``: this run's own directory (one mode, one seed). With ``checkpoint.every`` the
+    store's journal, the learner's checkpoints and the driver's state are kept there, and a run
+    that finds a checkpoint there goes on from it (``--resume``). Otherwise a journaled store
+    or a checkpointed learner uses a directory asyncrl creates and removes (under ``workdir``,
+    or the system's temporary directory). ``stop_at_version``: stop once the learner has
+    checkpointed that version, as a crash would (``RunStopped``)."""
     e = sc.env
     check_fits(sc)
-    journal_dir = None
+    keep = workdir is not None and bool(sc.checkpoint.every)
+    scratch: list[tuple[Path, str]] = []  # directories removed at the end, whatever happens
+
+    def place(name: str, kind: str) -> Path:
+        if not keep:
+            d = make_owned(Path(workdir or tempfile.gettempdir()), f".asyncrl-{name}-", kind)
+            scratch.append((d, kind))
+            return d
+        d = Path(workdir) / name
+        if not d.exists():
+            d.mkdir()
+            stamp(d, kind)
+        return d
+
+    learner_dir = place("checkpoints", LEARNER_KIND) if sc.checkpoint.every else None
+    driver_file = Path(workdir) / DRIVER_FILE if keep else None
+    resumed = None
+    if keep and checkpoint.latest(learner_dir) is not None:
+        resumed = read_driver(driver_file)
+    elif keep:  # stopped before its first checkpoint, if at all: start this run again
+        remove_owned(Path(workdir) / "store", JOURNAL_KIND)
+        driver_file.unlink(missing_ok=True)
+    journal_dir = place("store", JOURNAL_KIND) if sc.durable_store() else None
     store_options = {"num_cpus": sc.ray.replay.num_cpus, "max_concurrency": sc.ray.replay.max_concurrency}
-    if sc.replay.durable:
-        # Only a journaled store is restarted: one without would come back empty, its rows lost.
-        journal_dir = make_owned(Path(workdir or tempfile.gettempdir()), ".asyncrl-replay-", JOURNAL_KIND)
+    if journal_dir is not None:  # only a journaled store is restarted: one without would come back empty
         store_options["max_restarts"] = sc.ray.max_restarts
     if sc.learner == "ppo":
         store = ray.remote(SegmentQueue).options(**store_options).remote(
             sc.ppo.queue_chunks, sc.ppo.max_staleness, str(journal_dir) if journal_dir is not None else None)
     else:
-        args, kwargs = replay_args(sc, seed)
-        if journal_dir is not None:
-            kwargs["journal"] = str(journal_dir / "replay.journal")
+        args, kwargs = replay_args(sc, seed, journal_dir)
         store = ray.remote(TransitionReplay).options(**store_options).remote(*args, **kwargs)
     samplers = [
         ray.remote(SamplerHost).options(
             num_cpus=sc.ray.sampler.num_cpus, max_concurrency=sc.ray.sampler.max_concurrency, max_restarts=sc.ray.max_restarts,
         ).remote(sc, seed, i) for i in range(e.samplers)
     ]
-    learner_dir = None
-    if sc.ray.learner_checkpoint_every:
-        learner_dir = make_owned(Path(workdir or tempfile.gettempdir()), ".asyncrl-learner-", LEARNER_KIND)
     learner = ray.remote(LearnerHost).options(
         num_cpus=sc.ray.learner.num_cpus, max_concurrency=sc.ray.learner.max_concurrency,
         max_restarts=sc.ray.max_restarts if learner_dir is not None else 0,
-    ).remote(sc, seed, str(learner_dir) if learner_dir is not None else None)
+    ).remote(sc, seed, str(learner_dir) if learner_dir is not None else None, stop_at_version)
     actors = [store, learner, *samplers]
-    curve = EnvCurve()
-    faults = FaultLog()
-    fired: set[int] = set()
+    d = resumed or DriverState()
+    curve = EnvCurve(env_steps=d.eval_env_steps, wall_s=d.eval_wall_s, eval_return=d.eval_return,
+                     evaluations_lost=d.evaluations_lost)
+    faults = FaultLog.from_state(d.fault_records)
+    fired, restarts, learner_restarts = set(d.fired), d.restarts or [0] * e.samplers, d.learner_restarts
     patience = sc.ray.recovery_timeout_s
     ppo = sc.learner == "ppo"
+    finished = False
     try:
-        ray.get(learner.publish.remote(samplers))  # version 0 reaches every sampler before it acts
-        t0 = time.perf_counter()
+        if resumed is not None:
+            # Every part from where it stopped: the store from its journal, the learner from its
+            # checkpoint (PPO's queue hands it again what that does not cover), each sampler at the
+            # chunk after the last the store took, its environments in new episodes.
+            if ppo:
+                _rejoin_queue(learner, store, patience)
+            for i, s in enumerate(samplers):
+                seq, env_steps = _served(lambda: store.resume_point.remote(i), patience, "store.resume_point")
+                ray.get(s.resume.remote(seq, env_steps, RESUMED_INCARNATION * d.resumes + restarts[i] + 1))
+            log.info("resumed at %.1f s of training, learner version %s", d.elapsed_s, ray.get(learner.restart_point.remote())[0])
+        ray.get(learner.publish.remote(samplers))  # the first version reaches every sampler before it acts
+        t0 = time.perf_counter() - d.elapsed_s
         per_sampler = -(-e.env_steps // e.samplers)
         runs = [s.run.remote(store, per_sampler) for s in samplers]
         learning = learner.run.remote(store)
         evals: dict[Any, tuple[int, float]] = {}  # task group -> (env steps, wall s when the weights were taken)
         pending: dict[int, list] = {}
-        next_eval = e.eval_every
+        next_eval = d.next_eval or e.eval_every
         steps = 0
         store_down_since: Optional[float] = None
-        restarts = [0] * e.samplers
-        learner_restarts = 0
+
+        def save_driver() -> None:
+            if driver_file is not None:
+                write_driver(driver_file, DriverState(
+                    elapsed_s=time.perf_counter() - t0, next_eval=next_eval, fired=sorted(fired), fault_records=faults.state(),
+                    restarts=restarts, learner_restarts=learner_restarts, resumes=d.resumes + (resumed is not None),
+                    evaluations_lost=curve.evaluations_lost + len(pending),  # what is in flight dies with a stop
+                    eval_env_steps=curve.env_steps, eval_wall_s=curve.wall_s, eval_return=curve.eval_return,
+                ))
+
         while True:
             ray.wait(runs, num_returns=len(runs), timeout=poll_s)
+            save_driver()
             if ray.wait([learning], timeout=0)[0]:
                 if learner_dir is not None and _died(learning):
                     learner_restarts += 1
                     learning = _restart_learner(learner, samplers, store, patience, ppo)
                     faults.recovered("learner", time.perf_counter() - t0)
+                elif (stopped := ray.get(learning))["stopped"]:
+                    save_driver()
+                    raise RunStopped(f"stopped after learner version {stopped['versions']}")
                 else:
                     # The learner ended while samplers still ran: only an error does that, and the
                     # samplers would wait on the rate limit for ever. Raise it now.
-                    ray.get(learning)
                     raise RuntimeError("the learner stopped before the samplers did")
             for i, ref in enumerate(runs):
                 if ray.wait([ref], timeout=0)[0] and _died(ref):
@@ -509,18 +569,71 @@ def run_async(
         curve.replay["sampler_restarts"] = restarts
         curve.episodes = curve.replay["episodes"]
         curve.faults = {**faults.metrics(), "records": faults.state()}
+        curve.learner["resumes"] = d.resumes + (resumed is not None)
+        finished = True
         return curve
     finally:
         for a in actors:
             ray.kill(a)
-        if journal_dir is not None:
-            discard_owned(journal_dir, JOURNAL_KIND)
-        if learner_dir is not None:
-            discard_owned(learner_dir, LEARNER_KIND)
+        for path, kind in scratch:
+            discard_owned(path, kind)
+        if keep and finished:  # the journal is the size of everything taken; the last checkpoint stays
+            remove_owned(Path(workdir) / "store", JOURNAL_KIND)
+            driver_file.unlink(missing_ok=True)
 
 
-JOURNAL_KIND = "replay-journal"
-LEARNER_KIND = "learner-checkpoints"
+DRIVER_FILE = "driver.ckpt"
+# Sampler seeds after a resume: far from those of in-run restarts, so no two incarnations share one.
+RESUMED_INCARNATION = 1_000
+
+
+@dataclass
+class DriverState:
+    """What the driver of an async run must carry over a resume: its clock, its evaluations so
+    far and its fault bookkeeping (the parts carry their own in journals and checkpoints)."""
+
+    elapsed_s: float = 0.0
+    next_eval: int = 0
+    fired: list[int] = field(default_factory=list)
+    fault_records: list[dict] = field(default_factory=list)
+    restarts: list[int] = field(default_factory=list)
+    learner_restarts: int = 0
+    resumes: int = 0
+    evaluations_lost: int = 0
+    eval_env_steps: list[int] = field(default_factory=list)
+    eval_wall_s: list[float] = field(default_factory=list)
+    eval_return: list[float] = field(default_factory=list)
+
+
+_SERIES = ("eval_env_steps", "eval_wall_s", "eval_return")
+
+
+def write_driver(path: Path, d: DriverState) -> None:
+    state = {k: v for k, v in asdict(d).items() if k not in _SERIES}
+    arrays = {k: np.asarray(getattr(d, k), np.float64) for k in _SERIES}
+    checkpoint.write_atomic(path, checkpoint.encode(checkpoint.Snapshot(state=state, arrays=arrays)))
+
+
+def check_resume(workdir: Path) -> None:
+    """Read what a run in ``workdir`` would resume from (the learner's latest checkpoint, the
+    driver's state), so that a resume refuses one it cannot use before anything runs."""
+    learner_checkpoint.check(Path(workdir) / "checkpoints")
+    read_driver(Path(workdir) / DRIVER_FILE)
+
+
+def read_driver(path: Path) -> DriverState:
+    """The driver's state (``CheckpointError`` if unreadable); a fresh one if the run stopped
+    before it first wrote one."""
+    if not path.exists():
+        return DriverState()
+    snap = checkpoint.decode(path.read_bytes(), str(path))
+    try:
+        return DriverState(
+            **snap.state, eval_env_steps=[int(x) for x in snap.arrays["eval_env_steps"]],
+            eval_wall_s=snap.arrays["eval_wall_s"].tolist(), eval_return=snap.arrays["eval_return"].tolist(),
+        )
+    except (TypeError, KeyError) as exc:
+        raise checkpoint.CheckpointError(str(path), f"not an env driver's state ({exc})", "start the run again") from None
 
 
 class StoreLost(RuntimeError):
@@ -578,15 +691,20 @@ def _restart_sampler(i: int, incarnation: int, sampler, store, learner, per_samp
     return sampler.run.remote(store, per_sampler)
 
 
+def _rejoin_queue(learner, store, patience: float) -> None:
+    """PPO: a learner back from its checkpoint. The queue hands out again, first, every chunk that
+    checkpoint does not cover, and takes the learner's version before any sampler acts with it."""
+    version, covered = _served(lambda: learner.restart_point.remote(), patience, "learner.restart_point")
+    again = _served(lambda: store.rejoin.remote(covered, []), patience, "queue.rejoin")
+    _served(lambda: store.set_version.remote(version), patience, "queue.set_version")
+    log.info("learner at version %d: the queue hands it %d chunks again", version, again)
+
+
 def _restart_learner(learner, samplers: list, store, patience: float, ppo: bool):
     """The learner actor died and Ray restarts it from its latest checkpoint: it offers its weights
-    to every sampler, then learns again from the store. The replay kept every row; the queue
-    hands out again, first, every chunk the checkpoint does not cover."""
+    to every sampler, then learns again from the store (the replay kept every row)."""
     if ppo:
-        version, covered = _served(lambda: learner.restart_point.remote(), patience, "learner.restart_point")
-        again = _served(lambda: store.rejoin.remote(covered, []), patience, "queue.rejoin")
-        _served(lambda: store.set_version.remote(version), patience, "queue.set_version")  # before any sampler acts with it
-        log.info("learner restarted: the queue hands it %d chunks again", again)
+        _rejoin_queue(learner, store, patience)
     version = _served(lambda: learner.publish.remote(samplers), patience, "learner.publish")
     log.info("learner restarted: goes on at version %d", version)
     return learner.run.remote(store)
