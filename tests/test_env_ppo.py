@@ -279,7 +279,8 @@ def test_a_sync_run_stopped_at_a_version_resumes_to_the_same_counts(tmp_path, le
     with pytest.raises(RunStopped, match="stopped after learner version 5"):
         asyncio.run(run_sync(sc, 0, stop_at_target=False, run_dir=tmp_path, stop_at_version=5))
     assert (tmp_path / "store").is_dir()
-    resumed = asyncio.run(run_sync(sc, 0, stop_at_target=False, run_dir=tmp_path))
+    # Given the same stop again, a run resumed at it goes on to its end.
+    resumed = asyncio.run(run_sync(sc, 0, stop_at_target=False, run_dir=tmp_path, stop_at_version=5))
     whole = asyncio.run(run_sync(sc, 0, stop_at_target=False))
     assert resumed.learner["resumes"] == 1 and not (tmp_path / "store").exists()
     assert resumed.versions == whole.versions and resumed.produced_chunks == whole.produced_chunks

@@ -99,7 +99,7 @@ async def run_sync(
     live there, and a run that finds a checkpoint there goes on from it: the learner and the
     curve as checkpointed, the store as journaled, the sampler at the chunk after the last the
     store took, its environments in new episodes. ``stop_at_version``: stop once that version
-    is checkpointed, as a crash would (``RunStopped``)."""
+    is checkpointed, as a crash would (``RunStopped``), unless the run resumed at or past it."""
     evaluate = evaluate or greedy_return(sc, seed)
     torch.set_num_threads(learner_threads(sc))
     every = sc.checkpoint.every if run_dir is not None else 0
@@ -133,6 +133,8 @@ async def run_sync(
             store.rejoin(arrays["taken"].tolist(), [])
             store.set_version(version)
         log.info("resumed from version %d at %d env steps", st["version"], env_steps)
+        if stop_at_version is not None and version >= stop_at_version:
+            stop_at_version = None  # already past it: go on to the end
     policy.set_weights(learner.weights(), curve.versions)
     t0 = time.perf_counter() - curve.train_s
     eval_s = 0.0  # evaluations are measurement, not training: the clock stops while they run

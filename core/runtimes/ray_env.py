@@ -169,7 +169,8 @@ class LearnerHost:
 
     def __init__(self, sc: EnvScenario, seed: int, checkpoints: Optional[str] = None, stop_at: Optional[int] = None) -> None:
         """``checkpoints``: where to keep them (and restore from, if any are there); ``stop_at``:
-        stop after this version, checkpointed, as a crash would stop the run (``--stop-at-step``)."""
+        stop after this version, checkpointed, as a crash would stop the run (``--stop-at-step``),
+        unless it restored a version at or past it."""
         torch.set_num_threads(learner_threads(sc))
         self.sc = sc
         self.learner = make_learner(sc, seed)
@@ -195,6 +196,8 @@ class LearnerHost:
         self.stopped = False
         if self.checkpoints is not None:
             self._restore()
+        if stop_at is not None and self.version >= stop_at:
+            self.stop_at = None  # a resumed run already past it goes on to its end
 
     # Counts a checkpoint keeps, beside the learner's own state.
     _KEPT = ("updates", "update_s", "sample_wait_s", "store_retries", "priority_updates_lost", "trained_chunks",
@@ -302,7 +305,8 @@ class LearnerHost:
                 continue
             t1 = clock()
             self.sample_wait_s += t1 - t0
-            self._taken.extend(chunk_key(c) for c in chunks)
+            if self.sc.durable_store():
+                self._taken.extend(chunk_key(c) for c in chunks)
             self.env_steps += sum(c.env_steps for c in chunks)
             fresh = [c for c in chunks if self.version - int(c.version[0]) <= p.max_staleness]
             self.stale_at_learner += len(chunks) - len(fresh)
@@ -318,7 +322,7 @@ class LearnerHost:
                 # The queue first: it refuses a chunk acted by a version newer than its own.
                 await served(lambda: queue.set_version.remote(self.version), patience, self._retried)
                 await self.publish()
-            if not every or (fresh and self.version % every == 0):
+            if self.sc.durable_store() and (not every or (fresh and self.version % every == 0)):
                 # Awaited, and again while the queue restarts: a lost acknowledgement would have a
                 # restarted queue hand these chunks out a second time.
                 await served(lambda: queue.ack.remote(self._taken), patience, self._retried)
