@@ -26,7 +26,7 @@ from core.runtimes.ray import cluster
 from core.runtimes.ray_env import check_fits, run_async
 from core.runtimes.sim_env import run_env_sim
 from harness import report
-from harness.plots import RETURN_FIGURES, reward_curves_png
+from harness.plots import RETURN_FIGURES, env_timeline_png, env_window, reward_curves_png
 
 SCHEMA = "asyncrl.env-report/1"
 # Figures reported per run and, over seeds, with their spread.
@@ -135,11 +135,17 @@ def main(sc: EnvScenario, out: Path, console: Console, plots: bool, *, in_place:
                                   f"in {m['train_s']:.1f} s", highlight=False)
                     per_mode[mode][seed] = m
                     curves[mode].append({"time_s": curve.wall_s, "env_steps": curve.env_steps, "reward": curve.eval_return})
+                    lo, hi = env_window(curve.spans, curve.train_s)
                     report.write_json(where / "report.json", {
                         "schema": SCHEMA, "scenario": sc.model_dump(mode="json"), "mode": mode, "seed": seed,
                         **env, "metrics": m,
                         "series": {"eval_env_steps": curve.env_steps, "eval_time_s": curve.wall_s, "eval_return": curve.eval_return},
+                        # The spans of the window timeline.png shows (the whole run's would be the size of the run).
+                        "timeline": {"window_s": [lo, hi], "spans": {
+                            name: [sp for sp in spans if sp[2] > lo and sp[1] < hi] for name, spans in curve.spans.items()}},
                     })
+                    if plots and curve.spans:
+                        env_timeline_png(curve.spans, curve.train_s, f"{sc.name} / {mode}, seed {seed}", where / "timeline.png")
         summary = {
             "schema": SCHEMA, "scenario_name": sc.name, "seeds": list(sc.run_seeds()),
             "modes": {m: {k: report.spread({s: r[k] for s, r in runs.items()}) for k in HEADLINE} for m, runs in per_mode.items()},

@@ -13,11 +13,18 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from core.model.result import RunResult  # noqa: E402
-from core.model.timeline import GENERATE, SYNC, TRAIN  # noqa: E402
+from core.model.timeline import GENERATE, SEND, SYNC, TRAIN  # noqa: E402
 from harness.metrics import step_response_len  # noqa: E402
 
 COLORS = {GENERATE: "#2a9d8f", TRAIN: "#264653", SYNC: "#e76f51"}
 IDLE = "#eeeeee"
+# An env run's timeline: what each actor's spans are.
+ENV_KINDS = {
+    GENERATE: ("#2a9d8f", "act: envs + policy"),
+    SEND: ("#e9c46a", "send to the store (held there by its limit)"),
+    TRAIN: ("#264653", "learn"),
+    SYNC: ("#e76f51", "weights: publish / fetch"),
+}
 MODE_COLORS = {"sync": "#264653", "async": "#2a9d8f", "partial": "#e9c46a", "inflight": "#e76f51"}
 # The reward figures of every mode, in the run directory beside the modes' own.
 REWARD_FIGURES = (
@@ -65,12 +72,7 @@ def timeline_png(result: RunResult, path: Path, max_rows: int) -> None:
     ax = fig.add_subplot(grid[0, :])
     ax2 = fig.add_subplot(grid[1, 0])
     ax3 = fig.add_subplot(grid[1, 1])
-    for y, (name, spans) in enumerate(rows):
-        ax.broken_barh([(lo, hi - lo)], (y - 0.4, 0.8), facecolors=IDLE)
-        for kind in (GENERATE, TRAIN, SYNC):
-            bars = [(s, e - s) for k, s, e in spans if k == kind and e > lo and s < hi]
-            if bars:
-                ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=COLORS[kind], linewidth=0)
+    _span_rows(ax, rows, COLORS, lo, hi)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([n for n, _ in rows], fontsize=6)
     ax.invert_yaxis()
@@ -95,6 +97,43 @@ def timeline_png(result: RunResult, path: Path, max_rows: int) -> None:
     ax3.set_xticks(range(top + 1))
     ax3.set_xlabel("staleness of trained samples (versions)", fontsize=8)
     ax3.tick_params(labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _span_rows(ax, rows: list[tuple[str, list]], colors: dict[str, str], lo: float, hi: float) -> None:
+    """One bar per row over [lo, hi]: idle grey, then each kind's spans in its colour."""
+    for y, (_, spans) in enumerate(rows):
+        ax.broken_barh([(lo, hi - lo)], (y - 0.4, 0.8), facecolors=IDLE)
+        for kind, color in colors.items():
+            bars = [(s, e - s) for k, s, e in spans if k == kind and e > lo and s < hi]
+            if bars:
+                ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=color, linewidth=0)
+
+
+def env_window(spans: dict[str, list], end: float, versions: int = 4) -> tuple[float, float]:
+    """A few weight versions from the middle of an env run (the learner's, or sync mode's loop)."""
+    rows = spans.get("learner") or next(iter(spans.values()), [])
+    return _zoom([s for s in rows if s[0] == SYNC], end, versions)
+
+
+def env_timeline_png(spans: dict[str, list], end: float, title: str, path: Path, max_rows: int = 16) -> None:
+    """One row per actor (the learner first, then the samplers; sync mode: its one loop) over a
+    few weight versions from the middle of the run; idle is the grey background."""
+    lo, hi = env_window(spans, end)
+    rows = list(spans.items())[:max_rows]
+    fig, ax = plt.subplots(figsize=(12, 1.4 + 0.3 * len(rows)))
+    _span_rows(ax, rows, {k: c for k, (c, _) in ENV_KINDS.items()}, lo, hi)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([n for n, _ in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(lo, hi)
+    ax.set_xlabel("seconds of training (a few weight versions from the middle of the run)", fontsize=8)
+    shown = f", {len(rows)} of {len(spans)} actors" if len(rows) < len(spans) else ""
+    ax.set_title(f"{title}{shown}", fontsize=9, loc="left")
+    ax.legend(handles=[Patch(color=c, label=lab) for c, lab in ENV_KINDS.values()] + [Patch(color=IDLE, label="idle / waiting")],
+              loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=5, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

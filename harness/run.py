@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"{exc}; its checkpoints are in {out}. Go on with: python -m harness.run --resume {out}", highlight=False)
             return 0
         console.print(env_run.table(sc, summary))
-        figures = [] if args.no_plots or sc.runtime == "sim" else [name for _, name, _ in RETURN_FIGURES]
+        figures = [] if args.no_plots or sc.runtime == "sim" else ["seed-<s>/<mode>/timeline.png", *(name for _, name, _ in RETURN_FIGURES)]
         console.print(f"reports in {out}: summary.json, seed-<s>/<mode>/report.json" + "".join(f", {f}" for f in figures), highlight=False)
         return 0
 

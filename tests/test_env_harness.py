@@ -27,6 +27,11 @@ def test_an_env_scenario_runs_sync_and_writes_its_reports(tmp_path, capsys):
         assert rep["series"]["eval_env_steps"] == sorted(rep["series"]["eval_env_steps"])
     assert summary["modes"]["sync"]["env_steps_per_s"]["n"] == 2
     assert (out / "return_vs_time.png").is_file() and (out / "return_vs_env_steps.png").is_file()
+    # Where the loop's time went, over a few versions: acting, sending, learning, publishing.
+    rep = json.loads((out / "seed-0" / "sync" / "report.json").read_text())
+    lo, hi = rep["timeline"]["window_s"]
+    assert 0 <= lo < hi and {k for k, _, _ in rep["timeline"]["spans"]["sync loop"]} >= {"generate", "send", "train"}
+    assert (out / "seed-0" / "sync" / "timeline.png").is_file()
     printed = capsys.readouterr().out
     assert "time to a mean evaluation return of 475" in printed
 

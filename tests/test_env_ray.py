@@ -39,6 +39,14 @@ def test_async_run_accounts_for_every_chunk_and_row(ray_session):
     assert 0 < curve.learner["put_s"] <= curve.learner["publish_s"]
     # Evaluations ran as remote tasks while training went on, and came back in order.
     assert len(curve.eval_return) >= 2 and curve.env_steps == sorted(curve.env_steps)
+    # The timeline: every actor's spans on the training clock, the learner's updates and
+    # publishes, each sampler acting, sending and fetching weights.
+    assert set(curve.spans) == {"learner", "sampler0", "sampler1"}
+    assert {k for k, _, _ in curve.spans["learner"]} == {"train", "sync"}
+    assert {k for k, _, _ in curve.spans["sampler0"]} == {"generate", "send", "sync"}
+    for spans in curve.spans.values():
+        assert all(-1.0 < a < b <= curve.train_s + 5.0 for _, a, b in spans)
+        assert all(x[2] <= y[1] for x, y in zip(spans, spans[1:]))  # one actor does one thing at a time
 
 
 def test_a_run_the_cluster_cannot_place_is_refused_before_it_starts(ray_session):

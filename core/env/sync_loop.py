@@ -36,6 +36,7 @@ from core.env.wiring import (
 )
 from core.model.env_config import EnvScenario
 from core.model.owned import remove_owned, stamp
+from core.model.timeline import GENERATE, SEND, SYNC, TRAIN, Timeline
 from core.store import checkpoint
 from core.store.queue_journal import chunk_key
 
@@ -77,6 +78,9 @@ class EnvCurve:
     learner restarted; its next evaluation runs as usual)."""
     faults: dict = field(default_factory=dict)
     """Async mode with faults: ``faults/*`` figures (injected, recovered, recovery times) and the records."""
+    spans: dict = field(default_factory=dict)
+    """Who did what when, on the training clock: ``(kind, start, end)`` per actor (sync mode: its
+    one loop), ``core/model/timeline.py``'s kinds. Not checkpointed: a resumed run's start at its resume."""
 
     def first_reaching(self, target: float) -> Optional[int]:
         """Index of the first evaluation at or above ``target``."""
@@ -138,6 +142,13 @@ async def run_sync(
     policy.set_weights(learner.weights(), curve.versions)
     t0 = time.perf_counter() - curve.train_s
     eval_s = 0.0  # evaluations are measurement, not training: the clock stops while they run
+    timeline = Timeline()
+    clock = lambda: time.perf_counter() - t0 - eval_s  # noqa: E731  the training clock
+
+    def spent(kind: str, since: float) -> float:
+        now = clock()
+        timeline.add(ROW, kind, since, now)
+        return now - since
 
     def publish() -> None:
         curve.versions += 1
@@ -161,14 +172,16 @@ async def run_sync(
         batch = sc.dqn.batch_size
         while replay.limiter.can_sample(batch):
             rows, slots, weights = await replay.sample(batch, beta_at(sc, sampler.env_steps))
-            u0 = time.perf_counter()
+            u0 = clock()
             prio, _ = learner.update(rows, weights)
-            update_s += time.perf_counter() - u0
+            update_s += spent(TRAIN, u0)
             replay.update_priorities(slots, prio)
             curve.policy_lag.append(curve.versions - float(np.mean(rows["version"])))
             curve.updates += 1
             if curve.updates % sc.dqn.publish_every == 0:
+                p0 = clock()
                 publish()
+                spent(SYNC, p0)
 
     async def learn_ppo(queue: SegmentQueue) -> None:
         nonlocal update_s
@@ -176,14 +189,16 @@ async def run_sync(
         while len(queue) >= k:
             chunks = await queue.get_batch(k)
             taken.extend(chunk_key(c) for c in chunks)
-            u0 = time.perf_counter()
+            u0 = clock()
             figs = learner.learn(batch_columns(chunks), sampler.env_steps)
-            update_s += time.perf_counter() - u0
+            update_s += spent(TRAIN, u0)
             curve.policy_lag.append(curve.versions - float(np.mean([c.version[0] for c in chunks])))
             curve.updates += figs["updates"]
             curve.trained_chunks += k
+            p0 = clock()
             queue.set_version(curve.versions + 1)  # first: the queue refuses a chunk newer than its version
             publish()
+            spent(SYNC, p0)
 
     def record() -> bool:
         nonlocal eval_s
@@ -203,9 +218,12 @@ async def run_sync(
             # a rate limit that waits for those samples would hold the next insert for ever.
             await learn(store)
         while sampler.env_steps < sc.env.env_steps:
+            c0 = clock()
             chunk = sampler.collect()
+            c1 = c0 + spent(GENERATE, c0)
             curve.episodes += len(chunk.episode_returns)
             await store.insert_chunk(chunk)
+            spent(SEND, c1)
             await learn(store)
             if sampler.env_steps >= next_eval:
                 next_eval += sc.env.eval_every
@@ -216,8 +234,9 @@ async def run_sync(
                 record()  # the final policy, unless the last evaluation already saw it
     finally:
         sampler.close()  # on a stop or a crash the store stays as it is, for the resume
-    curve.train_s = time.perf_counter() - t0 - eval_s
+    curve.train_s = clock()
     curve.learner = {"update_s": update_s, "resumes": resumes}
+    curve.spans = {ROW: timeline.spans[ROW]}
     if ppo:
         store.close()  # counts what is still queued as left at the end
     curve.replay = store.stats()
@@ -229,12 +248,15 @@ async def run_sync(
 
 # Sampler seeds after a resume: far from those the run started with.
 RESUMED_SEED = 104_729
+ROW = "sync loop"  # the timeline's one row: sampler and learner take turns on it
 
 
 def curve_state(curve: EnvCurve) -> tuple[dict, dict[str, np.ndarray]]:
     """A curve as a checkpoint holds it: its lists as arrays, the rest as they are."""
     scalars, arrays = {}, {}
     for f in fields(curve):
+        if f.name == "spans":
+            continue
         v = getattr(curve, f.name)
         if isinstance(v, list):
             arrays[f"curve.{f.name}"] = np.asarray(v, np.float64)

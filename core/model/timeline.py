@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 GENERATE, TRAIN, SYNC = "generate", "train", "sync"
+SEND = "send"  # the env pipeline: a sampler's chunk on its way into the store, held there by its limit
 
 
 class Timeline:

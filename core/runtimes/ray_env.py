@@ -45,6 +45,7 @@ from core.env.learner_checkpoint import LEARNER_KIND
 from core.env.wiring import EVAL_SEED, JOURNAL_KIND, beta_at, learner_threads, make_learner, make_policy, make_sampler, replay_args
 from core.model.env_config import EnvScenario
 from core.model.faults import FaultLog
+from core.model.timeline import GENERATE, SEND, SYNC, TRAIN, Timeline
 from core.model.owned import discard_owned, make_owned, remove_owned, stamp
 from core.pipeline.param_sync import ParamSync
 from core.pipeline.staleness_queue import QueueClosed
@@ -75,6 +76,7 @@ class SamplerHost:
         self.weights_fetched = 0
         self.rows = 0
         self.store_retries = 0
+        self.timeline = Timeline()  # on time.time(): comparable across this machine's actors
 
     def resume(self, seq: int, env_steps: int, incarnation: int) -> None:
         """This actor was restarted: go on at chunk ``seq`` with ``env_steps`` behind it."""
@@ -105,7 +107,10 @@ class SamplerHost:
                 closed = True
                 break
             await self._take_weights(newest)
+            t0 = time.time()
             chunk = self.sampler.collect()
+            t1 = time.time()
+            self.timeline.add(ROW_SAMPLER, GENERATE, t0, t1)
             self.rows += len(chunk)
             try:
                 # Sent again while the store restarts: if it took the chunk before it died, it says so.
@@ -113,8 +118,11 @@ class SamplerHost:
             except QueueClosed:
                 closed = True
                 break
+            finally:
+                self.timeline.add(ROW_SAMPLER, SEND, t1, time.time())
         self.sampler.close()
         return {"env_steps": self.sampler.env_steps, "chunks": self.sampler.chunks, "rows": self.rows,
+                "spans": self.timeline.spans[ROW_SAMPLER],
                 "weights_fetched": self.weights_fetched, "closed": closed}
 
     async def _served(self, call):
@@ -132,12 +140,14 @@ class SamplerHost:
         if self._offer is None or self._offer[0] <= self.policy.version:
             return
         version, (ref,) = self._offer
+        t0 = time.time()
         try:
             weights = await ref
         except ray.exceptions.ObjectLostError:  # put by a learner that died: its restart offers newer ones
             self._offer = None
             return
         self.policy.set_weights(weights, version)
+        self.timeline.add(ROW_SAMPLER, SYNC, t0, time.time())
         self.weights_fetched += 1
 
 
@@ -188,6 +198,7 @@ class LearnerHost:
         self._taken: list[int] = []  # PPO: keys of chunks taken since the last acknowledgement
         self._covered: list[int] = []  # PPO: those of the checkpoint this actor restarted from
         self.figures: list[dict] = []
+        self.timeline = Timeline()
         self.store_retries = 0
         self.priority_updates_lost = 0  # sent to a replay that died before it applied them
         self.checkpoints = Path(checkpoints) if checkpoints else None
@@ -274,7 +285,7 @@ class LearnerHost:
                "stale_at_learner": self.stale_at_learner,
                "store_retries": self.store_retries, "priority_updates_lost": self.priority_updates_lost,
                "publish_s": sum(self.param_sync.pause_s), "put_s": self.transfer.put_s, "weight_bytes": self.transfer.bytes,
-               "restored_from": self.restored_from, "stopped": self.stopped}
+               "restored_from": self.restored_from, "stopped": self.stopped, "spans": self.timeline.spans[ROW_LEARNER]}
         if self.figures:
             out["figures"] = {k: float(np.mean([f[k] for f in self.figures])) for k in self.figures[0]}
         return out
@@ -311,7 +322,10 @@ class LearnerHost:
             fresh = [c for c in chunks if self.version - int(c.version[0]) <= p.max_staleness]
             self.stale_at_learner += len(chunks) - len(fresh)
             if fresh:
+                w0 = time.time()
                 figs = self.learner.learn(batch_columns(fresh), self.env_steps)
+                w1 = time.time()
+                self.timeline.add(ROW_LEARNER, TRAIN, w0, w1)
                 self.policy_lag.extend(float(self.version - int(c.version[0])) for c in fresh)
                 self.updates += figs["updates"]
                 self.trained_chunks += len(fresh)
@@ -322,6 +336,7 @@ class LearnerHost:
                 # The queue first: it refuses a chunk acted by a version newer than its own.
                 await served(lambda: queue.set_version.remote(self.version), patience, self._retried)
                 await self.publish()
+                self.timeline.add(ROW_LEARNER, SYNC, w1, time.time())
             if self.sc.durable_store() and (not every or (fresh and self.version % every == 0)):
                 # Awaited, and again while the queue restarts: a lost acknowledgement would have a
                 # restarted queue hand these chunks out a second time.
@@ -364,7 +379,10 @@ class LearnerHost:
             prio = np.empty(k * b, np.float64)
             for j in range(k):
                 part = slice(j * b, (j + 1) * b)
+                w0 = time.time()
                 prio[part], _ = self.learner.update({c: v[part] for c, v in rows.items()}, weights[part])
+                w1 = time.time()
+                self.timeline.add(ROW_LEARNER, TRAIN, w0, w1)
                 self.policy_lag.append(self.version - float(np.mean(rows["version"][part])))
                 self.updates += 1
                 if self.updates % d.publish_every == 0:
@@ -372,6 +390,7 @@ class LearnerHost:
                     if self._versioned():
                         return
                     await self.publish()
+                    self.timeline.add(ROW_LEARNER, SYNC, w1, time.time())
             self.update_s += clock() - t1
             sent = replay.update_priorities.remote(slots, prio)
         if sent is not None:
@@ -381,6 +400,7 @@ class LearnerHost:
                 self.priority_updates_lost += 1
 
 
+ROW_SAMPLER, ROW_LEARNER = "sampler", "learner"  # an actor's own row; the driver names the samplers'
 FIGURES = ("rho_mean", "rho_truncated", "clip_frac", "approx_kl")  # PPO's, per batch, averaged over the run
 
 
@@ -472,6 +492,7 @@ def run_async(
             log.info("resumed at %.1f s of training, learner version %s", d.elapsed_s, ray.get(learner.restart_point.remote())[0])
         ray.get(learner.publish.remote(samplers))  # the first version reaches every sampler before it acts
         t0 = time.perf_counter() - d.elapsed_s
+        t0_wall = time.time() - d.elapsed_s  # the actors' spans are on time.time()
         per_sampler = -(-e.env_steps // e.samplers)
         runs = [s.run.remote(store, per_sampler) for s in samplers]
         learning = learner.run.remote(store)
@@ -562,6 +583,8 @@ def run_async(
             "restored_from")}
         curve.learner.update(learned.get("figures", {}))
         curve.learner["restarts"] = learner_restarts
+        curve.spans = {name: [[k, a - t0_wall, b - t0_wall] for k, a, b in spans] for name, spans in (
+            ("learner", learned["spans"]), *((f"sampler{i}", r["spans"]) for i, r in enumerate(sampled)))}
         curve.trained_chunks = learned["trained_chunks"]
         curve.dropped_at_learner = learned["stale_at_learner"]
         curve.produced_chunks = sum(r["chunks"] for r in sampled)
