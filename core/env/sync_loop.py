@@ -35,7 +35,7 @@ from core.env.wiring import (
     EVAL_SEED, JOURNAL_KIND, SAMPLER_SEED, beta_at, learner_threads, make_learner, make_policy, make_queue, make_replay, make_sampler,
 )
 from core.model.env_config import EnvScenario
-from core.model.owned import remove_owned, stamp
+from core.model.owned import keep_owned, remove_owned
 from core.model.timeline import GENERATE, SEND, SYNC, TRAIN, Timeline
 from core.store import checkpoint
 from core.store.queue_journal import chunk_key
@@ -112,10 +112,9 @@ async def run_sync(
     store_dir = Path(run_dir) / "store" if every else None
     if every and checkpoint.latest(ckpt_dir) is None:
         remove_owned(store_dir, JOURNAL_KIND)  # stopped before its first checkpoint, if at all: start again
-    for d, kind in ((ckpt_dir, LEARNER_KIND), (store_dir, JOURNAL_KIND)):
-        if d is not None and not d.exists():
-            d.mkdir()
-            stamp(d, kind)
+    if every:
+        keep_owned(ckpt_dir, LEARNER_KIND)
+        keep_owned(store_dir, JOURNAL_KIND)
     policy = make_policy(sc, seed, 0)
     sampler = make_sampler(sc, seed, 0, policy)
     store = make_queue(sc, store_dir) if ppo else make_replay(sc, seed, store_dir)
@@ -154,7 +153,7 @@ async def run_sync(
         curve.versions += 1
         stop = stop_at_version is not None and curve.versions >= stop_at_version
         if stop or (every and curve.versions % every == 0):
-            curve.train_s = time.perf_counter() - t0 - eval_s
+            curve.train_s = clock()
             curve.learner = {"update_s": update_s}
             scalars, arrays = curve_state(curve)
             arrays["taken"] = np.asarray(taken, np.int64)

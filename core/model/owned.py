@@ -34,6 +34,16 @@ def make_owned(parent: Path, prefix: str, kind: str) -> Path:
     return path
 
 
+def keep_owned(path: Path, kind: str) -> Path:
+    """``path``, a directory of a fixed name inside one asyncrl owns: created and stamped as
+    ``kind`` unless it is already there (a run that resumes finds its own)."""
+    path = Path(path)
+    if not path.exists():
+        path.mkdir()
+        stamp(path, kind)
+    return path
+
+
 def is_owned(path: Path, kind: str) -> bool:
     """``path`` is a directory asyncrl created as ``kind`` (its stamp says so)."""
     mark = Path(path) / STAMP

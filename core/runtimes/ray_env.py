@@ -46,7 +46,7 @@ from core.env.wiring import EVAL_SEED, JOURNAL_KIND, beta_at, learner_threads, m
 from core.model.env_config import EnvScenario
 from core.model.faults import FaultLog
 from core.model.timeline import GENERATE, SEND, SYNC, TRAIN, Timeline
-from core.model.owned import discard_owned, make_owned, remove_owned, stamp
+from core.model.owned import discard_owned, keep_owned, make_owned, remove_owned
 from core.pipeline.param_sync import ParamSync
 from core.pipeline.staleness_queue import QueueClosed
 from core.runtimes.object_store_transfer import ObjectStoreTransfer
@@ -437,11 +437,7 @@ def run_async(
             d = make_owned(Path(workdir or tempfile.gettempdir()), f".asyncrl-{name}-", kind)
             scratch.append((d, kind))
             return d
-        d = Path(workdir) / name
-        if not d.exists():
-            d.mkdir()
-            stamp(d, kind)
-        return d
+        return keep_owned(Path(workdir) / name, kind)
 
     learner_dir = place("checkpoints", LEARNER_KIND) if sc.checkpoint.every else None
     driver_file = Path(workdir) / DRIVER_FILE if keep else None
@@ -487,8 +483,7 @@ def run_async(
             if ppo:
                 _rejoin_queue(learner, store, patience)
             for i, s in enumerate(samplers):
-                seq, env_steps = _served(lambda: store.resume_point.remote(i), patience, "store.resume_point")
-                ray.get(s.resume.remote(seq, env_steps, RESUMED_INCARNATION * d.resumes + restarts[i] + 1))
+                _resume_sampler(i, RESUMED_INCARNATION * d.resumes + restarts[i] + 1, s, store, patience, ppo)
             log.info("resumed at %.1f s of training, learner version %s", d.elapsed_s, ray.get(learner.restart_point.remote())[0])
         ray.get(learner.publish.remote(samplers))  # the first version reaches every sampler before it acts
         t0 = time.perf_counter() - d.elapsed_s
@@ -707,15 +702,22 @@ def _served(call, patience: float, what: str):
 def _restart_sampler(i: int, incarnation: int, sampler, store, learner, per_sampler: int, patience: float, places: bool):
     """A sampler actor died and Ray restarts it: it goes on at the chunk after the last one the
     store took (once any it sent before dying is in), with the newest weights; its run again."""
-    seq, env_steps = _served(lambda: store.resume_point.remote(i), patience, "store.resume_point")
-    if places:  # PPO's queue: the places the dead sampler reserved are free again
-        _served(lambda: store.release.remote(i), patience, "store.release")
-    _served(lambda: sampler.resume.remote(seq, env_steps, incarnation), patience, f"sampler{i}.resume")
+    seq, env_steps = _resume_sampler(i, incarnation, sampler, store, patience, places)
     version, refs = _served(lambda: learner.latest.remote(), patience, "learner.latest")
     if refs:  # none from a learner that has just restarted: it offers its own once it has published
         sampler.offer.remote(version, refs)
     log.info("sampler %d restarted (incarnation %d): resumes at chunk %d, %d env steps", i, incarnation, seq, env_steps)
     return sampler.run.remote(store, per_sampler)
+
+
+def _resume_sampler(i: int, incarnation: int, sampler, store, patience: float, places: bool) -> tuple[int, int]:
+    """Set sampler ``i`` (a new process) at the chunk after the last one the store took, its
+    environments in new episodes seeded by ``incarnation``; returns (that chunk, env steps)."""
+    seq, env_steps = _served(lambda: store.resume_point.remote(i), patience, "store.resume_point")
+    if places:  # PPO's queue: the places the dead sampler reserved are free again
+        _served(lambda: store.release.remote(i), patience, "store.release")
+    _served(lambda: sampler.resume.remote(seq, env_steps, incarnation), patience, f"sampler{i}.resume")
+    return seq, env_steps
 
 
 def _rejoin_queue(learner, store, patience: float) -> None:
