@@ -105,6 +105,41 @@ def test_a_continuous_action_policy_samples_trains_and_clips_into_the_env():
     sampler.close()
 
 
+def _acted_segment(sc: EnvScenario, behind: float):
+    """A chunk acted by the learner's own policy, its behaviour log-probabilities lowered by
+    ``behind`` (as if an older policy had acted it), and a fresh learner for it."""
+    learner = make_learner(sc, 0)
+    policy = make_policy(sc, 0, 0)
+    policy.set_weights(learner.weights(), 0)
+    sampler = make_sampler(sc, 0, 0, policy)
+    cols = dict(sampler.collect().columns)
+    sampler.close()
+    cols["logp"] = np.asarray(cols["logp"]) - behind
+    return learner, cols
+
+
+@pytest.mark.parametrize("correction", ["clip", "vtrace"])
+def test_the_lag_correction_takes_the_ratio_to_the_policy_it_names(correction):
+    """``clip`` takes PPO's ratio to the behaviour policy mu, ``vtrace`` to the learner's policy at
+    the batch's start. Rows whose mu is half as likely as that policy are all outside the clip
+    range under ``clip``, and none is at the first step under ``vtrace``."""
+    sc = ppo(**{"ppo.lag_correction": correction, "ppo.epochs": 1})
+    learner, cols = _acted_segment(sc, behind=np.log(2.0))
+    figs = learner.learn(cols, 0)
+    assert figs["rho_mean"] == pytest.approx(2.0, rel=1e-4)  # pi_prox / mu, reported under either
+    assert figs["clip_frac"] == (1.0 if correction == "clip" else 0.0)
+
+
+def test_with_no_lag_both_corrections_train_alike():
+    learned = []
+    for correction in ("clip", "vtrace"):
+        learner, cols = _acted_segment(ppo(**{"ppo.lag_correction": correction, "ppo.epochs": 3}), behind=0.0)
+        learner.learn(cols, 0)
+        learned.append(learner.weights())
+    for k in learned[0]:
+        np.testing.assert_allclose(learned[0][k], learned[1][k], atol=1e-5)
+
+
 def chunk(sampler: int, seq: int, version: int, envs: int = 2) -> TransitionChunk:
     cols = {"obs": np.zeros((envs, 3, 4), np.float32)}
     return TransitionChunk(sampler=sampler, seq=seq, columns=cols, version=np.full(envs, version, np.int64), env_steps=3 * envs)

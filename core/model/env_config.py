@@ -78,7 +78,7 @@ class DQNSpec(_Frozen):
 
 
 class PPOSpec(_Frozen):
-    """The on-policy learner: PPO on V-trace targets (core/env/ppo.py). The defaults are rl-zoo's
+    """The on-policy learner: PPO on segments, with a correction for policy lag (core/env/ppo.py). The defaults are rl-zoo's
     tuned PPO for CartPole-v1 (rl-baselines3-zoo, hyperparams/ppo.yml: 8 envs x 32 steps, 20 epochs
     of one 256-row minibatch, lr and clip range falling linearly to 0, GAE lambda 0.8) on
     stable-baselines3's default policy (separate 64x64 tanh MLPs for policy and value)."""
@@ -88,7 +88,8 @@ class PPOSpec(_Frozen):
     lr: float = Field(1e-3, gt=0)
     """Adam learning rate at the start."""
     clip: float = Field(0.2, gt=0)
-    """PPO's clip range on the ratio to the learner's own policy at the batch's start."""
+    """PPO's clip range on the ratio (to the behaviour policy, or to the learner's own policy at
+    the batch's start under ``vtrace``)."""
     anneal: bool = True
     """Lower the learning rate and the clip range linearly to 0 over ``env.env_steps``."""
     epochs: int = Field(20, ge=1)
@@ -96,12 +97,18 @@ class PPOSpec(_Frozen):
     minibatch: int = Field(256, ge=1)
     """Rows per gradient step."""
     gae_lambda: float = Field(0.8, ge=0, le=1)
-    """V-trace's lambda (the trace-cutting c is lambda x the truncated ratio); on-policy the
-    targets are GAE(lambda)'s."""
+    """GAE's lambda (under ``vtrace``, the trace-cutting c is lambda x the truncated ratio)."""
+    lag_correction: Literal["clip", "vtrace"] = "clip"
+    """How a row acted by an older policy (mu) is corrected. ``clip``: PPO's ratio is taken to mu,
+    so its clip truncates the importance weight pi/mu, and advantages are GAE(lambda)'s (PPO run
+    off-policy by a step, as verl and slime do for LLMs). ``vtrace``: IMPALA's truncated weights
+    pi_prox/mu in the targets and advantages, and the clip taken to the learner's policy at the
+    batch's start, pi_prox (decoupled PPO). On CartPole at a lag of one version, ``vtrace`` needed
+    about 2.3x the env steps of ``clip`` (docs/env.md); with no lag the two are the same."""
     rho_bar: float = Field(1.0, gt=0)
-    """V-trace's truncation of the importance ratio in the TD errors (IMPALA uses 1)."""
+    """``vtrace``: the truncation of the importance ratio in the TD errors (IMPALA uses 1)."""
     c_bar: float = Field(1.0, gt=0)
-    """V-trace's truncation of the importance ratio in the trace (IMPALA uses 1)."""
+    """``vtrace``: the truncation of the importance ratio in the trace (IMPALA uses 1)."""
     vf_coef: float = Field(0.5, ge=0)
     """Weight of the value loss."""
     ent_coef: float = Field(0.0, ge=0)
