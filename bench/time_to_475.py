@@ -2,6 +2,10 @@
 DQN and PPO beside asyncrl's in sync and async mode, with the same settings, in one process run.
 
     python bench/time_to_475.py [--learners dqn ppo] [--seeds 0 1 2] [--json OUT.json]
+                                [--also-async KEY=VALUE ...]
+
+``--also-async ppo.lag_correction=vtrace env.hold_for_eval=false`` adds one async run per
+change, each the scenario with that one setting changed, beside the others in the same run.
 
 asyncrl runs scenarios/cartpole-dqn.yaml and scenarios/cartpole-ppo.yaml, as a user would.
 
@@ -41,7 +45,7 @@ from core.env.sync_loop import run_sync  # noqa: E402
 from core.env.wiring import EVAL_SEED  # noqa: E402
 from core.runtimes.ray import start_cluster  # noqa: E402
 from core.runtimes.ray_env import run_async  # noqa: E402
-from harness.scenario import load  # noqa: E402
+from harness.scenario import ScenarioError, load  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ENVS, EVAL_EVERY, TARGET = 8, 5_000, 475.0
@@ -108,11 +112,18 @@ def sb3_ppo(seed: int) -> dict:
     return _row("sb3 PPO", seed, cb.curve)
 
 
-def asyncrl(learner: str, mode: str, seed: int) -> dict:
-    sc = load(ROOT / "scenarios" / f"cartpole-{learner}.yaml")
+def scenario(learner: str, change: str = ""):
+    """The learner's CartPole scenario, with one ``KEY=VALUE`` change (refused here if bad)."""
+    sc = load(ROOT / "scenarios" / f"cartpole-{learner}.yaml", [change] if change else [])
     assert sc.env.env_steps == BUDGET[learner] and sc.env.eval_every == EVAL_EVERY
+    return sc
+
+
+def asyncrl(learner: str, mode: str, seed: int, change: str = "") -> dict:
+    sc = scenario(learner, change)
     curve = asyncio.run(run_sync(sc, seed)) if mode == "sync" else run_async(sc, seed)
-    return _row(f"asyncrl {learner.upper()} {mode}", seed, list(zip(curve.env_steps, curve.wall_s, curve.eval_return)))
+    name = f"asyncrl {learner.upper()} {mode}" + (f" {change}" if change else "")
+    return _row(name, seed, list(zip(curve.env_steps, curve.wall_s, curve.eval_return)))
 
 
 def _row(name: str, seed: int, curve: list[tuple[int, float, float]]) -> dict:
@@ -126,25 +137,39 @@ def main() -> None:
     p.add_argument("--learners", nargs="+", choices=("dqn", "ppo"), default=["dqn", "ppo"])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--json", type=Path)
+    p.add_argument("--also-async", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="one more async run per change, e.g. ppo.lag_correction=vtrace")
     args = p.parse_args()
+    for change in args.also_async:
+        if "=" not in change:
+            p.error(f"--also-async {change!r}: expected KEY=VALUE, e.g. ppo.lag_correction=vtrace")
+        for learner in args.learners:
+            try:
+                scenario(learner, change)
+            except ScenarioError as err:
+                p.error(str(err))
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     start_cluster(None, None)
     rows = []
     sb3 = {"dqn": sb3_dqn, "ppo": sb3_ppo}
     for seed in args.seeds:
         for learner in args.learners:
-            for run in (lambda: sb3[learner](seed), lambda: asyncrl(learner, "sync", seed), lambda: asyncrl(learner, "async", seed)):
+            runs = [lambda: sb3[learner](seed), lambda: asyncrl(learner, "sync", seed), lambda: asyncrl(learner, "async", seed)]
+            runs += [lambda c=c: asyncrl(learner, "async", seed, c) for c in args.also_async]
+            for run in runs:
                 torch.set_num_threads(1)  # every learner on one core, as asyncrl's learner actor is
                 rows.append(run())
                 r = rows[-1]
                 t = "not reached" if r["time_to_475_s"] is None else f"{r['time_to_475_s']:.1f} s, {r['env_steps_to_475']:,} env steps"
-                print(f"seed {seed}  {r['impl']:<18} {t}", flush=True)
+                print(f"seed {seed}  {r['impl']:<40} {t}", flush=True)
     print()
     for impl in dict.fromkeys(r["impl"] for r in rows):
         ts = [r["time_to_475_s"] for r in rows if r["impl"] == impl]
         got = [t for t in ts if t is not None]
         spread = f"{np.mean(got):.1f} s ({min(got):.1f}..{max(got):.1f})" if got else "-"
-        print(f"{impl:<18} reached {len(got)}/{len(ts)}  time to 475: {spread}")
+        steps = [r["env_steps_to_475"] for r in rows if r["impl"] == impl and r["env_steps_to_475"] is not None]
+        mean_steps = f"{np.mean(steps):,.0f}" if steps else "-"
+        print(f"{impl:<40} reached {len(got)}/{len(ts)}  time to 475: {spread}  env steps: {mean_steps}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -183,8 +183,10 @@ def table(sc: EnvScenario, summary: dict) -> Table:
             f"{_fmt(figs['chunks_dropped_stale'], '{:.0f}')} / {_fmt(figs['chunks_lost'], '{:.0f}')}",
             _fmt(figs["final_return"], "{:.0f}"),
         )
+    evals = ("async holds its samplers and learner while it evaluates, and leaves those seconds out" if sc.env.hold_for_eval
+             else "async evaluates beside training, on the same cores")
     t.caption = ("time to target: training seconds until the first evaluation at or above the target (sync stops "
-                 "its clock while it evaluates; async evaluates beside training); waited: seconds the store held that side "
+                 f"its clock while it evaluates; {evals}); waited: seconds the store held that side "
                  "back (DQN: the rate limit; PPO: the queue); policy lag: learner version minus the mean version of its "
                  "batch's rows; chunks dropped: too stale to train (PPO); lost: sent by a sampler and in no count, "
                  "which must be 0")

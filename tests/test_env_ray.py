@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
+import time
 
+import pytest
+import ray
+
+from core.env.segment_queue import SegmentQueue
 from core.model.config import with_changes
 from core.model.env_config import EnvScenario
-from core.runtimes.ray_env import run_async
+from core.runtimes.ray_env import LearnerHost, SamplerHost, run_async
 
 # Small and quick: what is checked here is the actors' traffic and accounting. Learning to 475
 # is the sync test's and the dated results' (docs/results).
@@ -136,3 +140,43 @@ def test_killing_ppos_queue_and_learner_mid_run_trains_every_chunk_once(ray_sess
     dropped = st["stale_on_arrival"] + st["evicted_stale"] + curve.dropped_at_learner
     assert curve.trained_chunks + dropped + st["chunks_refused"] + st["left_at_end"] == st["chunks"]
     assert len(curve.policy_lag) == curve.trained_chunks and 0 <= min(curve.policy_lag) and max(curve.policy_lag) <= 4
+
+
+def test_a_held_run_neither_acts_nor_learns_until_the_hold_ends(ray_session):
+    """What ``env.hold_for_eval`` relies on: a hold is answered between two chunks and two
+    updates, and nothing is acted or learned until it ends."""
+    sc = with_changes(EnvScenario(), {**QUICK, "learner": "ppo", "env.samplers": 1, "ppo.epochs": 2})
+    store = ray.remote(SegmentQueue).remote(1, 1, None)
+    sampler = ray.remote(SamplerHost).options(num_cpus=0.5).remote(sc, 0, 0)
+    learner = ray.remote(LearnerHost).options(num_cpus=0.5).remote(sc, 0)
+    actors = [store, learner, sampler]
+    try:
+        ray.get(learner.publish.remote([sampler]))
+        run, learning = sampler.run.remote(store, 10**9), learner.run.remote(store)
+
+        def progress():
+            return ray.get(store.stats.remote())["env_steps"], ray.get(learner.latest.remote())[0]
+
+        def grows(since):
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                now = progress()
+                if now[0] > since[0] and now[1] > since[1]:
+                    return now
+                time.sleep(0.05)
+            raise AssertionError(f"no progress from {since}")
+
+        grows((0, 0))
+        ray.get([a.hold.remote() for a in actors])
+        held = progress()
+        time.sleep(0.5)
+        assert progress() == held
+        ray.get([a.end_hold.remote() for a in actors])
+        grows(held)
+        ray.get(sampler.stop.remote())
+        ray.get(store.close.remote())
+        sampled, learned = ray.get([run, learning])
+        assert sampled["chunks"] >= learned["trained_chunks"] >= 2
+    finally:
+        for a in actors:
+            ray.kill(a)

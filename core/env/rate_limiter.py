@@ -32,6 +32,7 @@ import math
 from collections import deque
 from typing import Optional
 
+from core.env.held_time import HeldTime
 from core.pipeline.staleness_queue import QueueClosed
 
 
@@ -78,6 +79,7 @@ class RateLimiter:
         self.samples = 0
         self.blocked_s = {"insert": 0.0, "sample": 0.0}
         self.blocked_calls = {"insert": 0, "sample": 0}
+        self.holds = HeldTime()  # on the loop's clock; a wait's held seconds are not blocked ones
         self._closed = False
         # Per side, the waiting requests in order: (rows, future).
         self._waiters: dict[str, deque[tuple[int, asyncio.Future]]] = {"insert": deque(), "sample": deque()}
@@ -124,6 +126,13 @@ class RateLimiter:
         self.inserts, self.samples = int(inserts), int(samples)
         self._wake()
 
+    def hold(self) -> None:
+        """The run is held for an evaluation: until ``end_hold``, waiting is not counted as blocked."""
+        self.holds.hold(asyncio.get_running_loop().time())
+
+    def end_hold(self) -> None:
+        self.holds.end(asyncio.get_running_loop().time())
+
     def close(self) -> None:
         """Release every waiter with ``LimiterClosed``: the run is stopping."""
         self._closed = True
@@ -168,7 +177,7 @@ class RateLimiter:
                 await asyncio.wait_for(fut, left)
                 woken = True
         finally:
-            self.blocked_s[side] += loop.time() - t0
+            self.blocked_s[side] += self.holds.running(t0, loop.time())
             self._wake()  # admitted or gone: the next in line may go now
 
     def _wake(self) -> None:

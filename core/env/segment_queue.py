@@ -35,6 +35,7 @@ from typing import Iterable, Optional, Union
 import numpy as np
 
 from core.env.chunk_intake import ChunkIntake
+from core.env.held_time import HeldTime
 from core.model.transition_wire import TransitionChunk
 from core.pipeline.staleness_queue import AsyncStalenessQueue, QueueClosed
 from core.store.arrival_journal import Arrival, ArrivalJournal
@@ -57,6 +58,7 @@ class SegmentQueue:
         # How long each side waited here: a sampler for room, the learner for chunks.
         self.insert_blocked_s = 0.0
         self.sample_blocked_s = 0.0
+        self.holds = HeldTime()  # a wait's seconds in a hold for an evaluation are not blocked ones
         self.capacity = capacity
         self._held: Counter[int] = Counter()  # places reserved, per sampler
         self._waiting: deque[asyncio.Future] = deque()
@@ -91,7 +93,7 @@ class SegmentQueue:
             self._held[sampler] += 1
             return self.queue.version
         finally:
-            self.insert_blocked_s += time.perf_counter() - t0
+            self.insert_blocked_s += self.holds.running(t0, time.perf_counter())
 
     def release(self, sampler: int) -> int:
         """Free the places ``sampler`` held: it died while collecting, and its restart starts
@@ -132,7 +134,7 @@ class SegmentQueue:
                 self._arrived(chunk, refused=True)
                 raise
             finally:
-                self.insert_blocked_s += time.perf_counter() - t0
+                self.insert_blocked_s += self.holds.running(t0, time.perf_counter())
             self._arrived(chunk)
         if not kept:
             self._room()
@@ -150,9 +152,16 @@ class SegmentQueue:
         try:
             chunks = await self.queue.get_batch(n, timeout)
         finally:
-            self.sample_blocked_s += time.perf_counter() - t0
+            self.sample_blocked_s += self.holds.running(t0, time.perf_counter())
         self._room()
         return chunks
+
+    def hold(self) -> None:
+        """The run is held for an evaluation (``env.hold_for_eval``), until ``end_hold``."""
+        self.holds.hold(time.perf_counter())
+
+    def end_hold(self) -> None:
+        self.holds.end(time.perf_counter())
 
     def set_version(self, version: int) -> int:
         """The learner published ``version``: drop queued chunks now too stale. Returns how many."""

@@ -27,6 +27,7 @@ import torch
 from core.api import RunStopped
 from core.env import learner_checkpoint
 from core.env.evaluation import episode_returns
+from core.env.held_time import HeldTime
 from core.env.sampler import Policy
 from core.env.segment_queue import SegmentQueue, batch_columns
 from core.env.transition_replay import TransitionReplay
@@ -49,8 +50,9 @@ class EnvCurve:
 
     env_steps: list[int] = field(default_factory=list)
     wall_s: list[float] = field(default_factory=list)
-    """When each evaluated policy existed: seconds of training before it (sync mode stops its clock
-    while it evaluates; async mode evaluates beside training, timed when it took the newest weights)."""
+    """When each evaluated policy existed: seconds of training before it, evaluations left out (sync
+    mode stops its clock while it evaluates; async mode holds its actors, or with ``env.hold_for_eval``
+    false evaluates beside training, timed when it took the newest weights)."""
     eval_return: list[float] = field(default_factory=list)
     updates: int = 0
     versions: int = 0
@@ -140,9 +142,9 @@ async def run_sync(
             stop_at_version = None  # already past it: go on to the end
     policy.set_weights(learner.weights(), curve.versions)
     t0 = time.perf_counter() - curve.train_s
-    eval_s = 0.0  # evaluations are measurement, not training: the clock stops while they run
+    held = HeldTime()  # evaluations are measurement, not training: the clock stops while they run
     timeline = Timeline()
-    clock = lambda: time.perf_counter() - t0 - eval_s  # noqa: E731  the training clock
+    clock = lambda: held.running(t0, time.perf_counter())  # noqa: E731  the training clock
 
     def spent(kind: str, since: float) -> float:
         now = clock()
@@ -200,12 +202,11 @@ async def run_sync(
             spent(SYNC, p0)
 
     def record() -> bool:
-        nonlocal eval_s
-        start = time.perf_counter()
+        curve.wall_s.append(clock())
+        held.hold(time.perf_counter())
         score = evaluate(policy)
+        held.end(time.perf_counter())
         curve.env_steps.append(sampler.env_steps)
-        curve.wall_s.append(start - t0 - eval_s)
-        eval_s += time.perf_counter() - start
         curve.eval_return.append(score)
         log.info("env steps %d: evaluation return %.1f (%d updates)", sampler.env_steps, score, curve.updates)
         return stop_at_target and score >= sc.env.target_return

@@ -146,6 +146,13 @@ class TransitionReplay:
         if self.buffer.prioritized:
             self.buffer.update_priorities(slots, priorities)
 
+    def hold(self) -> None:
+        """The run is held for an evaluation: waits from now to ``end_hold`` are not blocked time."""
+        self.limiter.hold()
+
+    def end_hold(self) -> None:
+        self.limiter.end_hold()
+
     def close(self) -> None:
         """Release the waiting samplers and learners: the run is stopping."""
         self.limiter.close()

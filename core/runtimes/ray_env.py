@@ -14,8 +14,10 @@ and the learner actor, all at once.
 Each part is built by ``core/env/wiring.py``, as in sync mode. DQN's rate limiter holds samples
 per insert whichever side is faster; PPO's bounded queue holds the samplers back when the
 learner is slower. Either store reports how long each side waited.
-Evaluations run beside training on the same cores (num_cpus 0); their cost is part of what async
-mode pays here, where sync mode stops its clock while it evaluates.
+Evaluations reserve no CPU. With ``env.hold_for_eval`` (the default) the driver holds the
+samplers and the learner while one runs, and every time the run reports leaves the held seconds
+out, as sync mode stops its clock; without it they run beside training and slow it where they
+share its cores.
 
 Actors that die come back (docs/env.md, Faults): a sampler at its next chunk, a journaled replay
 or queue from its journal, a checkpointed learner from its latest checkpoint (PPO's queue then
@@ -38,6 +40,7 @@ import torch
 
 from core.api import PauseMode, RunStopped
 from core.env.evaluation import episode_returns
+from core.env.held_time import HeldTime
 from core.env.segment_queue import SegmentQueue, batch_columns
 from core.env.sync_loop import EnvCurve
 from core.env.transition_replay import TransitionReplay
@@ -72,6 +75,8 @@ class SamplerHost:
         self.sampler = make_sampler(sc, seed, sampler_id, self.policy)
         self._offer: Optional[tuple[int, list]] = None
         self._offered = asyncio.Event()
+        self._running = asyncio.Event()  # cleared while the run is held for an evaluation
+        self._running.set()
         self._stop = False
         self.weights_fetched = 0
         self.rows = 0
@@ -93,6 +98,15 @@ class SamplerHost:
     def stop(self) -> None:
         self._stop = True
         self._offered.set()
+        self._running.set()
+
+    async def hold(self) -> None:
+        """Act no more until ``end_hold``. Answered on the actor's loop, so never mid-chunk: the
+        sampler is waiting (on the store, or for weights) and stops before its next chunk."""
+        self._running.clear()
+
+    async def end_hold(self) -> None:
+        self._running.set()
 
     async def run(self, store, env_steps: int) -> dict:
         """Collect until ``env_steps`` of this sampler's own, a stop, or the store's close."""
@@ -107,6 +121,7 @@ class SamplerHost:
                 closed = True
                 break
             await self._take_weights(newest)
+            await self._running.wait()
             t0 = time.time()
             chunk = self.sampler.collect()
             t1 = time.time()
@@ -190,6 +205,9 @@ class LearnerHost:
         # Where the learner's time goes: its own updates (publishing included), against waiting
         # for a sample (held back by the rate limit, or by the replay actor's answer).
         self.update_s = self.sample_wait_s = 0.0
+        self.holds = HeldTime()  # on perf_counter: held seconds count as neither
+        self._running = asyncio.Event()  # cleared while the run is held for an evaluation
+        self._running.set()
         self.transfer = ObjectStoreTransfer(self.learner, ray.put)
         self.param_sync = ParamSync(rollouter=SamplerFleet([]), transfer=self.transfer, mode="wait")
         self.trained_chunks = 0
@@ -250,6 +268,15 @@ class LearnerHost:
 
     def _retried(self) -> None:
         self.store_retries += 1
+
+    async def hold(self) -> None:
+        """Learn no more until ``end_hold``: answered on the actor's loop, so between two updates."""
+        self.holds.hold(time.perf_counter())
+        self._running.clear()
+
+    async def end_hold(self) -> None:
+        self.holds.end(time.perf_counter())
+        self._running.set()
 
     def _versioned(self) -> bool:
         """A new version exists: checkpoint it if due, before its weights go out. True if the run
@@ -312,16 +339,17 @@ class LearnerHost:
                     await served(lambda: queue.rejoin.remote([], self._taken), patience, self._retried)
                 except QueueClosed:
                     break
-                self.sample_wait_s += clock() - t0
+                self.sample_wait_s += self.holds.running(t0, clock())
                 continue
             t1 = clock()
-            self.sample_wait_s += t1 - t0
+            self.sample_wait_s += self.holds.running(t0, t1)
             if self.sc.durable_store():
                 self._taken.extend(chunk_key(c) for c in chunks)
             self.env_steps += sum(c.env_steps for c in chunks)
             fresh = [c for c in chunks if self.version - int(c.version[0]) <= p.max_staleness]
             self.stale_at_learner += len(chunks) - len(fresh)
             if fresh:
+                await self._running.wait()
                 w0 = time.time()
                 figs = self.learner.learn(batch_columns(fresh), self.env_steps)
                 w1 = time.time()
@@ -342,7 +370,7 @@ class LearnerHost:
                 # restarted queue hand these chunks out a second time.
                 await served(lambda: queue.ack.remote(self._taken), patience, self._retried)
                 self._taken = []
-            self.update_s += clock() - t1
+            self.update_s += self.holds.running(t1, clock())
 
     async def _run_dqn(self, replay) -> None:
         """Learn until the replay closes. The next sample call is in flight while the learner
@@ -375,10 +403,11 @@ class LearnerHost:
                 except ray.exceptions.RayActorError:
                     self.priority_updates_lost += 1
             t1 = clock()
-            self.sample_wait_s += t1 - t0
+            self.sample_wait_s += self.holds.running(t0, t1)
             prio = np.empty(k * b, np.float64)
             for j in range(k):
                 part = slice(j * b, (j + 1) * b)
+                await self._running.wait()  # publishing awaits: a hold may come between two updates
                 w0 = time.time()
                 prio[part], _ = self.learner.update({c: v[part] for c, v in rows.items()}, weights[part])
                 w1 = time.time()
@@ -391,7 +420,7 @@ class LearnerHost:
                         return
                     await self.publish()
                     self.timeline.add(ROW_LEARNER, SYNC, w1, time.time())
-            self.update_s += clock() - t1
+            self.update_s += self.holds.running(t1, clock())
             sent = replay.update_priorities.remote(slots, prio)
         if sent is not None:
             try:
@@ -486,8 +515,11 @@ def run_async(
                 _resume_sampler(i, RESUMED_INCARNATION * d.resumes + restarts[i] + 1, s, store, patience, ppo)
             log.info("resumed at %.1f s of training, learner version %s", d.elapsed_s, ray.get(learner.restart_point.remote())[0])
         ray.get(learner.publish.remote(samplers))  # the first version reaches every sampler before it acts
-        t0 = time.perf_counter() - d.elapsed_s
-        t0_wall = time.time() - d.elapsed_s  # the actors' spans are on time.time()
+        # One clock for the driver and the actors' spans (time.time(): comparable across this
+        # machine's processes); seconds held for evaluations are left out of every time reported.
+        t0 = time.time() - d.elapsed_s
+        held = HeldTime()
+        elapsed = lambda: held.running(t0, time.time())  # noqa: E731  the training clock
         per_sampler = -(-e.env_steps // e.samplers)
         runs = [s.run.remote(store, per_sampler) for s in samplers]
         learning = learner.run.remote(store)
@@ -500,7 +532,7 @@ def run_async(
         def save_driver() -> None:
             if driver_file is not None:
                 write_driver(driver_file, DriverState(
-                    elapsed_s=time.perf_counter() - t0, next_eval=next_eval, fired=sorted(fired), fault_records=faults.state(),
+                    elapsed_s=elapsed(), next_eval=next_eval, fired=sorted(fired), fault_records=faults.state(),
                     restarts=restarts, learner_restarts=learner_restarts, resumes=d.resumes + (resumed is not None),
                     evaluations_lost=curve.evaluations_lost + len(pending),  # what is in flight dies with a stop
                     eval_env_steps=curve.env_steps, eval_wall_s=curve.wall_s, eval_return=curve.eval_return,
@@ -513,7 +545,7 @@ def run_async(
                 if learner_dir is not None and _died(learning):
                     learner_restarts += 1
                     learning = _restart_learner(learner, samplers, store, patience, ppo)
-                    faults.recovered("learner", time.perf_counter() - t0)
+                    faults.recovered("learner", elapsed())
                 elif (stopped := ray.get(learning))["stopped"]:
                     save_driver()
                     raise RunStopped(f"stopped after learner version {stopped['versions']}")
@@ -525,12 +557,12 @@ def run_async(
                 if ray.wait([ref], timeout=0)[0] and _died(ref):
                     restarts[i] += 1
                     runs[i] = _restart_sampler(i, restarts[i], samplers[i], store, learner, per_sampler, patience, ppo)
-                    faults.recovered(f"sampler{i}", time.perf_counter() - t0)
+                    faults.recovered(f"sampler{i}", elapsed())
             done = ray.wait(runs, num_returns=len(runs), timeout=0)[0]
             try:
                 steps = ray.get(store.stats.remote())["env_steps"]
                 if store_down_since is not None:
-                    faults.recovered("replay", time.perf_counter() - t0)
+                    faults.recovered("replay", elapsed())
                     store_down_since = None
             except ray.exceptions.RayActorError:
                 now = time.perf_counter()
@@ -539,29 +571,41 @@ def run_async(
                     raise StoreLost(f"the replay actor has not answered for {patience:g} s after it died; fix: raise "
                                     "ray.recovery_timeout_s if it only restarts slowly, or ray.max_restarts if it died again") from None
                 continue
+            killed = False
             for k, f in enumerate(sc.faults):
                 if k not in fired and steps >= f.at_env_steps:
                     fired.add(k)
                     target = f"sampler{f.sampler}" if f.target == "sampler" else f.target
-                    faults.injected(f.kind, target, time.perf_counter() - t0)
+                    faults.injected(f.kind, target, elapsed())
                     actor = {"sampler": samplers[f.sampler], "replay": store, "learner": learner}[f.target]
                     ray.kill(actor, no_restart=False)
+                    killed = True
+            if killed:
+                continue  # the next poll sees the death first: a hold now could wait out the restart unseen
             if steps >= next_eval or len(done) == len(runs):
+                if e.hold_for_eval:
+                    _tell(actors, "hold", patience)
+                    held.hold(time.time())
                 try:
                     _, refs = ray.get(learner.latest.remote())
                 except ray.exceptions.RayActorError:
                     refs = []  # the learner is restarting: evaluate at a later poll
+                if refs:
+                    (ref,) = refs
+                    next_eval = (steps // e.eval_every + 1) * e.eval_every
+                    key = len(evals)
+                    evals[key] = (steps, elapsed())
+                    share = -(-e.eval_episodes // eval_tasks)
+                    pending[key] = [
+                        _evaluate.remote(sc, seed, ref, min(share, e.eval_episodes - i * share), i)
+                        for i in range(eval_tasks) if e.eval_episodes - i * share > 0
+                    ]
+                if e.hold_for_eval:
+                    _collect(pending, evals, curve, e.target_return, wait=True)
+                    held.end(time.time())
+                    _tell(actors, "end_hold", patience)
                 if not refs:
                     continue
-                (ref,) = refs
-                next_eval = (steps // e.eval_every + 1) * e.eval_every
-                key = len(evals)
-                evals[key] = (steps, time.perf_counter() - t0)
-                share = -(-e.eval_episodes // eval_tasks)
-                pending[key] = [
-                    _evaluate.remote(sc, seed, ref, min(share, e.eval_episodes - i * share), i)
-                    for i in range(eval_tasks) if e.eval_episodes - i * share > 0
-                ]
             reached = _collect(pending, evals, curve, e.target_return, wait=False) and stop_at_target
             if reached or len(done) == len(runs):
                 break
@@ -570,7 +614,7 @@ def run_async(
         _served(lambda: store.close.remote(), patience, "replay.close")  # releases a sampler or the learner waiting on the store
         sampled = [_sampler_result(i, ref, samplers[i], restarts, store, learner, patience, ppo) for i, ref in enumerate(runs)]
         learned = ray.get(learning)
-        curve.train_s = time.perf_counter() - t0
+        curve.train_s = elapsed()
         _collect(pending, evals, curve, e.target_return, wait=True)
         curve.updates, curve.versions, curve.policy_lag = learned["updates"], learned["versions"], learned["policy_lag"]
         curve.learner = {k: learned[k] for k in (
@@ -578,7 +622,7 @@ def run_async(
             "restored_from")}
         curve.learner.update(learned.get("figures", {}))
         curve.learner["restarts"] = learner_restarts
-        curve.spans = {name: [[k, a - t0_wall, b - t0_wall] for k, a, b in spans] for name, spans in (
+        curve.spans = {name: _training_spans(spans, held, t0) for name, spans in (
             ("learner", learned["spans"]), *((f"sampler{i}", r["spans"]) for i, r in enumerate(sampled)))}
         curve.trained_chunks = learned["trained_chunks"]
         curve.dropped_at_learner = learned["stale_at_learner"]
@@ -737,6 +781,23 @@ def _restart_learner(learner, samplers: list, store, patience: float, ppo: bool)
     version = _served(lambda: learner.publish.remote(samplers), patience, "learner.publish")
     log.info("learner restarted: goes on at version %d", version)
     return learner.run.remote(store)
+
+
+def _training_spans(spans: list, held: HeldTime, t0: float) -> list:
+    """Spans on the training clock: held seconds left out, and a span held throughout gone."""
+    out = [[k, held.running(t0, a), held.running(t0, b)] for k, a, b in spans]
+    return [s for s in out if s[2] > s[1]]
+
+
+def _tell(actors: list, method: str, patience: float) -> None:
+    """Call ``method`` on every actor and wait for the answers. One that is dead or restarting is
+    passed over: it comes back unheld, and a hold is only ever a measurement's."""
+    refs = [getattr(a, method).remote() for a in actors]
+    for ref in refs:
+        try:
+            ray.get(ref, timeout=patience)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            log.warning("%s: an actor did not answer (dead or restarting); it runs on unheld", method)
 
 
 def _sampler_result(i, ref, sampler, restarts, store, learner, patience, ppo) -> dict:
