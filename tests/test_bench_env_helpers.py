@@ -4,12 +4,16 @@ stack is charged to, and the sim set beside real rows. The scripts themselves ta
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
+
+from core.env.sync_loop import run_sync
+from harness.scenario import load
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -115,3 +119,12 @@ def test_costs_fitted_on_a_baseline_make_the_sim_reproduce_it():
     assert costs["sim.learner_update_s"] == pytest.approx(3e-3) and costs["sim.replay_call_s"] == 1e-4
     sim = check.simulated(check.Config("sampler-bound", 10, 1), 8_000, 0, costs, cores=2)
     assert sim["env_steps_per_s"] == pytest.approx(16_000, rel=0.05)
+
+
+def test_the_lag_bench_at_lag_0_is_sync_mode():
+    """bench/ppo_lag_sim.py's loop with no lag reaches 475 at the same env step as sync mode's:
+    what it measures at a lag is the lag alone."""
+    lag_sim = _load("ppo_lag_sim")
+    curve = asyncio.run(run_sync(load(ROOT / "scenarios" / "cartpole-ppo.yaml"), seed=0))
+    hit = curve.env_steps[curve.first_reaching(475.0)]
+    assert lag_sim.env_steps_to_target("clip", 0, 0) == hit

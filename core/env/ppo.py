@@ -18,7 +18,7 @@ run it for LLMs.
     v_t - V(x_t) = delta_t + g_t c_t (v_{t+1} - V(x_{t+1}))    cut at an episode's end and at the segment's
 
 and the clip is taken to pi_prox (decoupled PPO, Hilton et al. 2021; AReaL uses it for LLMs).
-On CartPole at a lag of one version it needed about 2.3x the env steps of ``clip``: with 20
+On CartPole at a lag of one version it needed 2.3x the env steps of ``clip`` (bench/ppo_lag_sim.py): with 20
 epochs per batch, half the ratios are truncated, and the advantages of actions the learner has
 already turned from shrink by their ratio.
 

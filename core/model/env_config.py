@@ -111,7 +111,8 @@ class PPOSpec(_Frozen):
     off-policy by a step, as verl and slime do for LLMs). ``vtrace``: IMPALA's truncated weights
     pi_prox/mu in the targets and advantages, and the clip taken to the learner's policy at the
     batch's start, pi_prox (decoupled PPO). On CartPole at a lag of one version, ``vtrace`` needed
-    about 2.3x the env steps of ``clip`` (docs/env.md); with no lag the two are the same."""
+    2.3x the env steps of ``clip``, and ``clip`` as many as no lag (bench/ppo_lag_sim.py,
+    docs/env.md); with no lag the two are the same."""
     rho_bar: float = Field(1.0, gt=0)
     """``vtrace``: the truncation of the importance ratio in the TD errors (IMPALA uses 1)."""
     c_bar: float = Field(1.0, gt=0)
