@@ -144,7 +144,7 @@ def test_killing_ppos_queue_and_learner_mid_run_trains_every_chunk_once(ray_sess
 
 def test_a_held_run_neither_acts_nor_learns_until_the_hold_ends(ray_session):
     """What ``env.hold_for_eval`` relies on: a hold is answered between two chunks and two
-    updates, and nothing is acted or learned until it ends."""
+    updates, and once a chunk acted before it has landed, nothing is acted or learned until it ends."""
     sc = with_changes(EnvScenario(), {**QUICK, "learner": "ppo", "env.samplers": 1, "ppo.epochs": 2})
     store = ray.remote(SegmentQueue).remote(1, 1, None)
     sampler = ray.remote(SamplerHost).options(num_cpus=0.5).remote(sc, 0, 0)
@@ -168,6 +168,7 @@ def test_a_held_run_neither_acts_nor_learns_until_the_hold_ends(ray_session):
 
         grows((0, 0))
         ray.get([a.hold.remote() for a in actors])
+        time.sleep(0.3)  # a chunk acted before the hold may still land in the store
         held = progress()
         time.sleep(0.5)
         assert progress() == held
