@@ -145,7 +145,7 @@ def main(sc: EnvScenario, out: Path, console: Console, plots: bool, *, in_place:
                             name: [sp for sp in spans if sp[2] > lo and sp[1] < hi] for name, spans in curve.spans.items()}},
                     })
                     if plots and curve.spans:
-                        env_timeline_png(curve.spans, curve.train_s, f"{sc.name} / {mode}, seed {seed}", where / "timeline.png")
+                        env_timeline_png(curve.spans, (lo, hi), f"{sc.name} / {mode}, seed {seed}", where / "timeline.png")
         summary = {
             "schema": SCHEMA, "scenario_name": sc.name, "seeds": list(sc.run_seeds()),
             "modes": {m: {k: report.spread({s: r[k] for s, r in runs.items()}) for k in HEADLINE} for m, runs in per_mode.items()},

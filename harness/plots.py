@@ -118,10 +118,10 @@ def env_window(spans: dict[str, list], end: float, versions: int = 4) -> tuple[f
     return _zoom([s for s in rows if s[0] == SYNC], end, versions)
 
 
-def env_timeline_png(spans: dict[str, list], end: float, title: str, path: Path, max_rows: int = 16) -> None:
-    """One row per actor (the learner first, then the samplers; sync mode: its one loop) over a
-    few weight versions from the middle of the run; idle is the grey background."""
-    lo, hi = env_window(spans, end)
+def env_timeline_png(spans: dict[str, list], window: tuple[float, float], title: str, path: Path, max_rows: int = 16) -> None:
+    """One row per actor (the learner first, then the samplers; sync mode: its one loop) over
+    ``window`` (``env_window``'s, the one the report keeps); idle is the grey background."""
+    lo, hi = window
     rows = list(spans.items())[:max_rows]
     fig, ax = plt.subplots(figsize=(12, 1.4 + 0.3 * len(rows)))
     _span_rows(ax, rows, {k: c for k, (c, _) in ENV_KINDS.items()}, lo, hi)
