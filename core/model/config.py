@@ -7,10 +7,13 @@ NVIDIA H20); every number says where it comes from. Nothing here is fitted to a 
 from __future__ import annotations
 
 import math
+import re
+import reprlib
 from dataclasses import dataclass
-from typing import Literal, Optional, TypeVar
+from typing import Annotated, Literal, Optional, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from core.model.length_file import LengthFileError, read_lengths
 
@@ -19,12 +22,92 @@ MODES: tuple[str, ...] = ("sync", "async", "partial", "inflight")
 Correction = Literal["none", "tis", "decoupled", "masked", "m2po"]
 
 
+# Ceilings of the counts that size a run's work or memory: far above any real run, low enough
+# that a slip (a zero too many, 2**63) is refused up front instead of hanging the simulator.
+MAX_DEVICES = 100_000
+"""GPUs, CPU cores, machines, actors or workers of one role (the largest clusters built hold about 100,000 GPUs)."""
+MAX_SAMPLES = 10_000_000
+"""Samples, sequences, groups, rows or environments held or taken at once (verl's batches are a few
+thousand samples; DQN's replay holds 1M rows, Ape-X's 2M)."""
+MAX_TOKENS = 10_000_000
+"""Tokens of one prompt or response (past the longest context window any model serves)."""
+MAX_STEPS = 1_000_000
+"""Trainer steps, versions, epochs or restarts (published RL runs of LLMs take hundreds to thousands of steps)."""
+MAX_ENV_STEPS = 100_000_000_000
+"""Environment steps of a run (Ape-X's Atari runs took 22.8 billion frames)."""
+MAX_DIM = 1_000_000
+"""A model's layers, widths, heads or vocabulary (the largest models' hidden sizes are a few ten thousand)."""
+MAX_BYTES = 1_000_000_000_000
+"""Bytes of one thing on the wire (a terabyte)."""
+MAX_GB = 1_000_000
+"""Gigabytes of memory one thing reserves (a petabyte)."""
+MAX_SEEDS = 1_000
+"""Seeds of one run (each runs every mode once)."""
+MAX_INT = 2**53
+"""Any whole number: the largest a JSON report carries exactly (a float64's mantissa)."""
+MAX_FLOAT = 1e9
+"""Any real number's magnitude: a billion seconds is 31 years, a billion GB/s or TFLOP/s beyond any device."""
+ECHO_CHARS = 60  # the most of a value an error message repeats
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxlong, _SHORT.maxother = 3, ECHO_CHARS, 40, ECHO_CHARS
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` cut short: an error message never echoes an unbounded value (a YAML alias
+    bomb expands to gigabytes), and building it costs as little (reprlib stops early)."""
+    text = _SHORT.repr(value)
+    return text if len(text) <= ECHO_CHARS else text[: ECHO_CHARS - 3] + "..."
+
+
+REFUSED = "refused"
+"""The pydantic error type of a value a validator refuses with its own fix (ctx: problem, fix)."""
+
+
+def refused(problem: str, fix: str) -> PydanticCustomError:
+    """A field validator's error that keeps the field's dotted location (a ``ConfigError`` names its key itself)."""
+    return PydanticCustomError(REFUSED, "{problem}", {"problem": problem, "fix": fix})
+
+
+NAME_BYTES = 100  # a name is a directory name (most file systems take 255 bytes) and a plot title
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+
+
+def name_problem(text: str) -> Optional[str]:
+    """Why ``text`` cannot name a run (its directory, its plots' titles); None if it can. Only
+    letters, digits, '-', '_' and '.' (no '/', NUL or path escape; no '$' or '\\' that plots
+    would read as TeX), not starting with '.', at most ``NAME_BYTES`` bytes."""
+    if len(text.encode("utf-8", "surrogatepass")) > NAME_BYTES:
+        return f"is longer than {NAME_BYTES} bytes"
+    if not _NAME.fullmatch(text):
+        return "may hold only letters, digits, '-', '_' and '.', and not start with '.' (it names a directory)"
+    return None
+
+
+def safe_name(text: str) -> str:
+    """A name like ``text`` that ``name_problem`` accepts: what a fix suggests."""
+    out = re.sub(r"[^A-Za-z0-9._-]+", "-", text).lstrip(".-")[:NAME_BYTES]
+    return out or "run"
+
+
+def _check_name(text: str) -> str:
+    problem = name_problem(text)
+    if problem is not None:
+        raise refused(problem, f"use e.g. {safe_name(text)!r}")
+    return text
+
+
+RunName = Annotated[str, AfterValidator(_check_name)]
+"""A run's name: it names the run's directory and titles its reports."""
+
+
 class ConfigError(ValueError):
     """One bad value: the dotted key, the value, what is wrong and how to fix it."""
 
     def __init__(self, key: str, value: object, problem: str, fix: str) -> None:
         self.key, self.value, self.problem, self.fix = key, value, problem, fix
-        super().__init__(f"{key} = {value!r}: {problem}; fix: {fix}")
+        super().__init__(f"{key} = {shown(value)}: {problem}; fix: {fix}")
 
 
 def check_runs(modes: tuple, seeds: tuple, choices: tuple[str, ...]) -> None:
@@ -39,7 +122,34 @@ def check_runs(modes: tuple, seeds: tuple, choices: tuple[str, ...]) -> None:
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+    # allow_inf_nan: an infinite delay or bandwidth never ends a simulated wait (it hung the sim).
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _bounded(cls, value: object) -> object:
+        """Every number of every field (and inside its tuples and dicts) within ``MAX_INT`` or
+        ``MAX_FLOAT``, whatever ceiling the field itself has: one rule for all of them."""
+        _check_magnitude(value)
+        return value
+
+
+def _check_magnitude(value: object) -> None:
+    if isinstance(value, bool) or isinstance(value, BaseModel):
+        return
+    if isinstance(value, int):
+        if abs(value) > MAX_INT:
+            raise refused("is beyond any count a run has", f"use a number of magnitude at most 2**53 = {MAX_INT}")
+    elif isinstance(value, float):
+        if abs(value) > MAX_FLOAT:
+            raise refused("is beyond anything physical in this field's unit", f"use a number of magnitude at most {MAX_FLOAT:g}")
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _check_magnitude(v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_magnitude(k)
+            _check_magnitude(v)
 
 
 class ModelSpec(_Frozen):
@@ -49,17 +159,17 @@ class ModelSpec(_Frozen):
     """A label for reports."""
     params_b: float = Field(7.62, gt=0)
     """Parameters in billions (Qwen2.5-7B model card: 7.61 B)."""
-    layers: int = Field(28, ge=1)
+    layers: int = Field(28, ge=1, le=MAX_DIM)
     """Transformer layers (Qwen2.5-7B config.json: num_hidden_layers 28)."""
-    hidden: int = Field(3584, ge=1)
+    hidden: int = Field(3584, ge=1, le=MAX_DIM)
     """Hidden size (Qwen2.5-7B config.json: hidden_size 3584)."""
-    kv_heads: int = Field(4, ge=1)
+    kv_heads: int = Field(4, ge=1, le=MAX_DIM)
     """Key/value heads (Qwen2.5-7B config.json: num_key_value_heads 4, GQA)."""
-    head_dim: int = Field(128, ge=1)
+    head_dim: int = Field(128, ge=1, le=MAX_DIM)
     """Head dimension (Qwen2.5-7B: 3584 / 28 heads)."""
     dtype_bytes: int = Field(2, ge=1, le=8)
     """Bytes per weight and per KV element (bf16)."""
-    vocab: Optional[int] = Field(None, ge=1)
+    vocab: Optional[int] = Field(None, ge=1, le=MAX_DIM)
     """Vocabulary size (Qwen2.5-7B config.json: vocab_size 152064). Given, the input embedding
     (vocab x hidden parameters) is a lookup: left out of the FLOPs and of the weights a decode
     step reads, unless ``tied_embeddings``. None prices every parameter as a matmul weight, as
@@ -86,7 +196,7 @@ class GpuSpec(_Frozen):
     memory_gb: float = Field(96.0, gt=0)
     """Memory per GPU in GB (NVIDIA H20 datasheet: 96 GB HBM3); with the weights, it sets the
     engines' KV-cache capacity (``kv_capacity_tokens``)."""
-    gpus_per_node: int = Field(8, ge=1)
+    gpus_per_node: int = Field(8, ge=1, le=MAX_DEVICES)
     """GPUs joined by NVLink in one node (an HGX H20 board: 8); a data-parallel trainer on more
     spans nodes, and its collectives run at ``interconnect_gb_s``."""
     interconnect_gb_s: Optional[float] = Field(None, gt=0)
@@ -100,11 +210,11 @@ class ResourcesSpec(_Frozen):
     """Who gets which GPUs. `sync` mode colocates: every GPU generates, then every GPU trains.
     Read by: every runtime (on a machine without GPUs a real run counts CPU cores instead)."""
 
-    rollout_gpus: int = Field(64, ge=1)
+    rollout_gpus: int = Field(64, ge=1, le=MAX_DEVICES)
     """GPUs serving rollout in async, partial and inflight modes (verl table: 64 of 128)."""
-    trainer_gpus: int = Field(64, ge=1)
+    trainer_gpus: int = Field(64, ge=1, le=MAX_DEVICES)
     """GPUs training in async, partial and inflight modes (verl table: 64 of 128)."""
-    gpus_per_engine: int = Field(1, ge=1)
+    gpus_per_engine: int = Field(1, ge=1, le=MAX_DEVICES)
     """Tensor-parallel size of one rollout engine; a 7B model fits one H20 (96 GB)."""
 
 
@@ -113,17 +223,17 @@ class WorkloadSpec(_Frozen):
     for group_size and max_response_len; the lengths themselves by the sim only (real engines
     generate until <eos> or the cap)."""
 
-    group_size: int = Field(16, ge=1)
+    group_size: int = Field(16, ge=1, le=MAX_SAMPLES)
     """Responses per prompt, the GRPO group n (verl DAPO recipe: rollout.n 16)."""
-    prompt_tokens: int = Field(512, ge=1)
+    prompt_tokens: int = Field(512, ge=1, le=MAX_TOKENS)
     """Prompt length in tokens, chat template included (DAPO-Math prompts are a few hundred tokens)."""
-    response_median: int = Field(1200, ge=1)
+    response_median: int = Field(1200, ge=1, le=MAX_TOKENS)
     """Median response length in tokens before clipping (assumed: early DAPO-Math training on a 7B model)."""
     response_sigma: float = Field(1.0, ge=0)
     """Lognormal sigma of response length; 1.0 puts p99 near 10x the median, the long tail."""
     prompt_share: float = Field(0.5, ge=0, le=1)
     """Share of the log-length variance that belongs to the prompt (hard prompts make every response long)."""
-    max_response_len: int = Field(28672, ge=1)
+    max_response_len: int = Field(28672, ge=1, le=MAX_TOKENS)
     """Hard cap on response tokens (verl fully-async table: max_response_length 28K)."""
     lengths: Optional[str] = None
     """A file of response lengths the sim draws from instead of the lognormal: a JSON/YAML list
@@ -145,9 +255,9 @@ class RolloutSpec(_Frozen):
     """The rollout engines: a continuous-batching decode model. Read by: every runtime for
     max_num_seqs and max_concurrency; the cost terms by the sim only."""
 
-    max_num_seqs: int = Field(256, ge=1)
+    max_num_seqs: int = Field(256, ge=1, le=MAX_SAMPLES)
     """Sequences one engine decodes at once (vLLM default max_num_seqs: 256)."""
-    max_concurrency: Optional[int] = Field(None, ge=1)
+    max_concurrency: Optional[int] = Field(None, ge=1, le=MAX_SAMPLES)
     """Generations in flight across all engines; None means engines x max_num_seqs, at least one group."""
     decode_overhead_s: float = Field(0.002, ge=0)
     """Fixed cost of one decode step: scheduling, sampling, launches (assumed, vLLM V1 with CUDA graphs)."""
@@ -170,11 +280,11 @@ class TrainerSpec(_Frozen):
     """The trainer: GRPO steps on whole groups. Read by: every runtime for batch_size, sync_every
     and steps; the cost terms by the sim only."""
 
-    batch_size: int = Field(512, ge=1)
+    batch_size: int = Field(512, ge=1, le=MAX_SAMPLES)
     """Samples per trainer step, whole groups (32 prompts x 16, verl ppo_mini_batch_size 32)."""
-    sync_every: int = Field(4, ge=1)
+    sync_every: int = Field(4, ge=1, le=MAX_STEPS)
     """Trainer steps per weight sync, i.e. per version (verl trigger_parameter_sync_step 4)."""
-    steps: int = Field(1000, ge=1)
+    steps: int = Field(1000, ge=1, le=MAX_STEPS)
     """Trainer steps in the run."""
     mfu: float = Field(0.4, gt=0, le=1)
     """Model FLOPs utilization of training (Llama 3 paper: 38-43 % BF16 MFU on H100 at scale)."""
@@ -186,7 +296,7 @@ class TrainerSpec(_Frozen):
     """MFU of the trainer when it shares its GPUs with the engines (sync mode); None: trainer.mfu.
     verl's published 16:16 phase times put its colocated trainer at 2.3x fewer samples per
     GPU-second than its separated one (docs/results/2026-11-30-published-predictions.md)."""
-    minibatch_size: Optional[int] = Field(None, ge=1)
+    minibatch_size: Optional[int] = Field(None, ge=1, le=MAX_SAMPLES)
     """Samples per optimizer step (verl: ppo_mini_batch_size x rollout.n); a trainer step of
     ``batch_size`` samples takes batch_size / minibatch_size of them, each gathering the sharded
     weights and reducing the gradients once (priced only with ``gpu.interconnect_gb_s``). None:
@@ -203,7 +313,7 @@ class TrainerSpec(_Frozen):
 class StalenessSpec(_Frozen):
     """How stale a trained sample may be, and how far rollout may run ahead. Read by: every runtime."""
 
-    max_staleness: int = Field(1, ge=0)
+    max_staleness: int = Field(1, ge=0, le=MAX_STEPS)
     """Hard bound: no sample is trained on weights more than this many versions newer than its first token."""
     admission_lead: Optional[float] = Field(None, ge=0)
     """Sync windows the rollout may run ahead of training; None means max_staleness (verl staleness_threshold)."""
@@ -244,7 +354,7 @@ class ReplaySpec(_Frozen):
 
     enabled: bool = False
     """Put the replay buffer in the pipeline; off, the trainer takes fresh groups from the queue."""
-    capacity_groups: int = Field(256, ge=1)
+    capacity_groups: int = Field(256, ge=1, le=MAX_SAMPLES)
     """Groups the ring holds; the oldest is overwritten when a new one arrives."""
     reuse: float = Field(2.0, ge=1)
     """Trained samples per fresh sample: each step takes ceil(batch groups / reuse) fresh groups from the queue."""
@@ -262,19 +372,19 @@ class TinyModelSpec(_Frozen):
 
     path: str = "models/tiny-qwen2"
     """Model directory, relative to the working directory; built on first use if missing."""
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=MAX_INT)
     """Seeds the random weights and the tokenizer's training text."""
-    layers: int = Field(2, ge=1)
+    layers: int = Field(2, ge=1, le=MAX_DIM)
     """Transformer layers."""
-    heads: int = Field(4, ge=1)
+    heads: int = Field(4, ge=1, le=MAX_DIM)
     """Attention heads; hidden size is heads x head_dim."""
-    kv_heads: int = Field(2, ge=1)
+    kv_heads: int = Field(2, ge=1, le=MAX_DIM)
     """Key/value heads (grouped-query attention, as in Qwen2)."""
-    head_dim: int = Field(32, ge=32)
+    head_dim: int = Field(32, ge=32, le=MAX_DIM)
     """Head dimension; vLLM's CPU attention needs 32 or more."""
-    intermediate: int = Field(256, ge=1)
+    intermediate: int = Field(256, ge=1, le=MAX_DIM)
     """MLP width."""
-    max_positions: int = Field(512, ge=16)
+    max_positions: int = Field(512, ge=16, le=MAX_TOKENS)
     """Longest prompt + response the model takes."""
 
 
@@ -288,7 +398,7 @@ class TaskSpec(_Frozen):
     """Fewest distinct letters in a prompt."""
     max_letters: int = Field(6, ge=1, le=26)
     """Most distinct letters in a prompt."""
-    length_per_letter: int = Field(2, ge=1)
+    length_per_letter: int = Field(2, ge=1, le=MAX_TOKENS)
     """Full reward needs at least length_per_letter x k**2 response words before <eos> (k: the prompt's letters)."""
     truncated_reward: float = Field(0.0, ge=0, le=1)
     """Share of its reward a response keeps when it runs into the cap without <eos>. 0: it scores 0, a cliff
@@ -309,7 +419,7 @@ class EngineSpec(_Frozen):
     """`sim` on the sim runtime; `torch` or `vllm` on the local and ray runtimes."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature of rollout (1.0: the behaviour policy is the policy itself)."""
-    vllm_kv_cache_gb: int = Field(1, ge=1)
+    vllm_kv_cache_gb: int = Field(1, ge=1, le=MAX_GB)
     """vLLM on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."""
     vllm_gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """vLLM on GPU: fraction of device memory the engine may take."""
@@ -334,7 +444,7 @@ class LearnSpec(_Frozen):
     """`m2po`: the bound on the mean of (log pi_prox / pi_behaviour)^2 over a minibatch's kept tokens (0.04, the paper's)."""
     clip_eps: float = Field(0.2, gt=0, lt=1)
     """PPO clip range of the ratio (to the proximal policy; to the behaviour policy with `none`)."""
-    minibatches: int = Field(4, ge=1)
+    minibatches: int = Field(4, ge=1, le=MAX_SAMPLES)
     """Optimizer updates per trainer step, each on a slice of whole groups (4: measured on the tiny task,
     reward doubles in ~80 steps of 8 groups where 1 update per step stays flat at any stable lr)."""
     grad_clip: float = Field(1.0, gt=0)
@@ -342,7 +452,7 @@ class LearnSpec(_Frozen):
     target_reward: Optional[float] = Field(None, gt=0)
     """Reward whose reach times a run (learn/time_to_target_s): the trailing mean batch reward over
     `learn.reward_window` steps. None: the task's own, `task.target_reward`."""
-    reward_window: int = Field(5, ge=1)
+    reward_window: int = Field(5, ge=1, le=MAX_STEPS)
     """Trainer steps the batch reward is averaged over before it is compared with the target."""
 
     @property
@@ -356,7 +466,7 @@ class RewardSpec(_Frozen):
 
     serve: bool = False
     """Ray runtime: score through a Ray Serve deployment instead of in the Rollouter's process."""
-    replicas: int = Field(1, ge=1)
+    replicas: int = Field(1, ge=1, le=MAX_DEVICES)
     """Replicas of the Serve deployment."""
 
 
@@ -364,11 +474,11 @@ class EvalSpec(_Frozen):
     """Evaluation of the current policy on held-out prompts, beside training. Read by: the local and
     ray runtimes."""
 
-    every: int = Field(0, ge=0)
+    every: int = Field(0, ge=0, le=MAX_STEPS)
     """Evaluate every this many versions; 0 turns evaluation off."""
-    prompts: int = Field(32, ge=1)
+    prompts: int = Field(32, ge=1, le=MAX_SAMPLES)
     """Held-out prompts per evaluation, split among the workers."""
-    workers: int = Field(2, ge=1)
+    workers: int = Field(2, ge=1, le=MAX_DEVICES)
     """Parallel evaluators (Ray remote functions on the ray runtime)."""
     timeout_s: float = Field(30.0, gt=0)
     """How long the driver waits, once training ended, for evaluations still running; later ones are reported missing."""
@@ -383,7 +493,7 @@ class RoleSpec(_Frozen):
     """CPUs each actor reserves."""
     num_gpus: float = Field(0.0, ge=0)
     """GPUs each actor reserves."""
-    max_concurrency: int = Field(64, ge=1)
+    max_concurrency: int = Field(64, ge=1, le=MAX_SAMPLES)
     """Calls an actor runs at once (async actors interleave them on one loop)."""
 
 
@@ -392,7 +502,7 @@ class RaySpec(_Frozen):
 
     address: Optional[str] = None
     """Join this cluster (e.g. `ray://head:10001` or `auto`); None starts a local instance and stops it after the run."""
-    num_cpus: Optional[int] = Field(None, ge=1)
+    num_cpus: Optional[int] = Field(None, ge=1, le=MAX_DEVICES)
     """CPUs of the local instance; None gives it every core of the machine."""
     rollout: RoleSpec = RoleSpec(num_cpus=1.0, max_concurrency=256)
     """Each rollout engine actor; on CPU one engine is one core."""
@@ -419,11 +529,11 @@ class FaultSpec(_Frozen):
     """What happens: kill, slow or hang."""
     target: Literal["rollout_worker", "queue", "trainer"] = "rollout_worker"
     """Which component: kill takes any; slow and hang act on a rollout worker."""
-    worker: int = Field(0, ge=0)
+    worker: int = Field(0, ge=0, le=MAX_DEVICES)
     """Which rollout worker (engine index, from 0)."""
     at_s: Optional[float] = Field(None, ge=0)
     """When, in seconds from the start of the run (simulated seconds on the sim runtime)."""
-    at_step: Optional[int] = Field(None, ge=1)
+    at_step: Optional[int] = Field(None, ge=1, le=MAX_STEPS)
     """When: as soon as the trainer has finished this step."""
     factor: float = Field(4.0, ge=1)
     """slow: how many times longer every decode step and prefill takes."""
@@ -451,7 +561,7 @@ class RecoverySpec(_Frozen):
     """What a restart costs and how many a component gets. Read by: operations on every runtime
     (max_restarts); the *_restart_s costs by the sim only (a real restart takes what it takes)."""
 
-    max_restarts: int = Field(3, ge=0)
+    max_restarts: int = Field(3, ge=0, le=MAX_STEPS)
     """Restarts each worker, the queue and the trainer get (Ray max_restarts); one more death fails the run."""
     engine_restart_s: float = Field(60.0, ge=0)
     """Sim: seconds a killed rollout worker takes to be back (process and engine start-up, weights load; assumed)."""
@@ -465,9 +575,9 @@ class CheckpointSpec(_Frozen):
     """Checkpoints of the whole run, taken at a weight sync, while rollout is paused. Read by:
     operations on every runtime (whole-run resume on sim and local; trainer restarts on ray)."""
 
-    every: int = Field(0, ge=0)
+    every: int = Field(0, ge=0, le=MAX_STEPS)
     """Checkpoint every this many versions; 0 turns checkpoints off (a trainer kill needs them)."""
-    keep: int = Field(2, ge=1)
+    keep: int = Field(2, ge=1, le=MAX_STEPS)
     """Checkpoints kept per mode; older ones are deleted once a newer one is complete."""
 
 
@@ -476,7 +586,7 @@ class ReportSpec(_Frozen):
 
     timeline: bool = True
     """Write timeline.png, one row per worker."""
-    timeline_rows: int = Field(32, ge=1)
+    timeline_rows: int = Field(32, ge=1, le=MAX_DEVICES)
     """Rollout rows drawn at most; larger fleets show an evenly spaced subset."""
 
 
@@ -501,7 +611,7 @@ class CalibratedSpec(_Frozen):
     """Trainer seconds per trained token (prompt + response) on ``train_devices`` devices (fitted)."""
     train_s_per_token_sq: float = Field(ge=0)
     """Trainer seconds per squared sequence length (attention) on ``train_devices`` devices (fitted)."""
-    train_devices: int = Field(ge=1)
+    train_devices: int = Field(ge=1, le=MAX_DEVICES)
     """Devices the trainer ran on where it was measured."""
     train_speedup: dict[int, float] = {}
     """Measured speed of the trainer's step on n devices relative to ``train_devices`` ({n: speed});
@@ -521,11 +631,11 @@ class CalibratedSpec(_Frozen):
 class Scenario(_Frozen):
     """One workload on one set of resources, run in one or more modes with one seed."""
 
-    name: str = "scenario"
-    """A label for reports and the default run directory."""
-    seed: int = Field(0, ge=0)
+    name: RunName = "scenario"
+    """A label for reports and the default run directory: letters, digits, '-', '_' and '.'."""
+    seed: int = Field(0, ge=0, le=MAX_INT)
     """Seeds the workload; every mode sees the same prompts and lengths."""
-    seeds: tuple[int, ...] = ()
+    seeds: tuple[int, ...] = Field((), max_length=MAX_SEEDS)
     """Run every mode once per seed and report mean and spread; empty: `seed` alone."""
     modes: tuple[Mode, ...] = ("sync", "async", "partial", "inflight")
     """Modes to run, each on the same workload: sync, async, partial, inflight (docs/modes.md)."""
@@ -706,6 +816,23 @@ class Scenario(_Frozen):
                     f"{key}.target", "queue", "on the ray runtime the queue lives in the rollout actor and is not killed alone",
                     "kill a rollout_worker or the trainer there, or run the queue kill on runtime sim",
                 )
+        self._check_restarts()
+
+    def _check_restarts(self) -> None:
+        """Each kill of a worker or of the trainer costs it a restart (a queue's are not counted);
+        more kills of one than ``recovery.max_restarts`` make the run's failure certain."""
+        kills: dict[str, int] = {}
+        for f in self.faults:
+            if f.kind == "kill" and f.target != "queue":
+                name = f"rollout worker {f.worker}" if f.target == "rollout_worker" else "the trainer"
+                kills[name] = kills.get(name, 0) + 1
+        most = max(kills.items(), key=lambda kv: kv[1], default=None)
+        if most is not None and most[1] > self.recovery.max_restarts:
+            name, n = most
+            raise ConfigError(
+                "recovery.max_restarts", self.recovery.max_restarts,
+                f"faults kill {name} {n} times, so the run would end in RestartsExhausted", f"use at least {n}, or fewer kills",
+            )
 
     @property
     def groups_per_step(self) -> int:

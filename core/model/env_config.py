@@ -17,7 +17,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from core.model.config import ConfigError, RoleSpec, _Frozen, check_runs
+from core.model.config import (
+    MAX_BYTES, MAX_DEVICES, MAX_DIM, MAX_ENV_STEPS, MAX_INT, MAX_SAMPLES, MAX_SEEDS, MAX_STEPS,
+    ConfigError, RoleSpec, RunName, _Frozen, check_runs,
+)
 
 EnvMode = Literal["sync", "async"]
 ENV_MODES: tuple[str, ...] = ("sync", "async")
@@ -29,24 +32,24 @@ class EnvSpec(_Frozen):
 
     id: str = "CartPole-v1"
     """A gymnasium environment id with a vector observation and discrete actions."""
-    samplers: int = Field(1, ge=1)
+    samplers: int = Field(1, ge=1, le=MAX_DEVICES)
     """Sampler actors in async mode (sync mode steps one sampler's environments in the learner's thread)."""
-    envs_per_sampler: int = Field(8, ge=1)
+    envs_per_sampler: int = Field(8, ge=1, le=MAX_SAMPLES)
     """Environments each sampler steps together, one policy forward pass for all of them."""
-    send_every: int = Field(32, ge=1)
+    send_every: int = Field(32, ge=1, le=MAX_STEPS)
     """Vector steps between two chunks a sampler sends; a sampler also takes new weights only then."""
-    n_step: int = Field(3, ge=1)
+    n_step: int = Field(3, ge=1, le=MAX_STEPS)
     """DQN: steps summed into one row's reward before bootstrapping (Ape-X uses 3). PPO sends
     whole segments of ``send_every`` steps per environment instead."""
     gamma: float = Field(0.99, ge=0, le=1)
     """Discount."""
-    env_steps: int = Field(50_000, ge=1)
+    env_steps: int = Field(50_000, ge=1, le=MAX_ENV_STEPS)
     """Environment steps of a run, over all samplers (rl-zoo's budget for CartPole DQN)."""
     target_return: float = 475.0
     """The mean evaluation return a run is timed to reach (CartPole-v1's solved threshold)."""
-    eval_episodes: int = Field(100, ge=1)
+    eval_episodes: int = Field(100, ge=1, le=MAX_SAMPLES)
     """Episodes per evaluation, one per environment, without exploration."""
-    eval_every: int = Field(5_000, ge=1)
+    eval_every: int = Field(5_000, ge=1, le=MAX_ENV_STEPS)
     """Environment steps between two evaluations."""
     hold_for_eval: bool = True
     """Async mode: hold the samplers and the learner while an evaluation runs, and leave those
@@ -64,9 +67,9 @@ class DQNSpec(_Frozen):
     """Widths of the Q-network's hidden layers."""
     lr: float = Field(2.3e-3, gt=0)
     """Adam learning rate."""
-    batch_size: int = Field(64, ge=1)
+    batch_size: int = Field(64, ge=1, le=MAX_SAMPLES)
     """Rows per update."""
-    target_every: int = Field(128, ge=1)
+    target_every: int = Field(128, ge=1, le=MAX_STEPS)
     """Updates between two copies of the online net into the target net."""
     grad_clip: float = Field(10.0, gt=0)
     """Global gradient-norm clip."""
@@ -74,11 +77,11 @@ class DQNSpec(_Frozen):
     """Exploration probability at the first step."""
     eps_end: float = Field(0.04, ge=0, le=1)
     """Exploration probability after ``eps_decay_steps`` env steps (per sampler)."""
-    eps_decay_steps: int = Field(8_000, ge=1)
+    eps_decay_steps: int = Field(8_000, ge=1, le=MAX_ENV_STEPS)
     """Env steps over which epsilon falls linearly."""
-    publish_every: int = Field(128, ge=1)
+    publish_every: int = Field(128, ge=1, le=MAX_STEPS)
     """Updates between two weight versions sent to the samplers."""
-    batches_per_call: int = Field(8, ge=1)
+    batches_per_call: int = Field(8, ge=1, le=MAX_SAMPLES)
     """Async mode: minibatches the learner takes from the replay actor in one call, and whose
     priorities it sends back together; one round trip per this many updates, as Ape-X's learner
     prefetches. Sync mode takes one at a time."""
@@ -99,9 +102,9 @@ class PPOSpec(_Frozen):
     the batch's start under ``vtrace``)."""
     anneal: bool = True
     """Lower the learning rate and the clip range linearly to 0 over ``env.env_steps``."""
-    epochs: int = Field(20, ge=1)
+    epochs: int = Field(20, ge=1, le=MAX_STEPS)
     """Passes over each batch."""
-    minibatch: int = Field(256, ge=1)
+    minibatch: int = Field(256, ge=1, le=MAX_SAMPLES)
     """Rows per gradient step."""
     gae_lambda: float = Field(0.8, ge=0, le=1)
     """GAE's lambda (under ``vtrace``, the trace-cutting c is lambda x the truncated ratio)."""
@@ -125,12 +128,12 @@ class PPOSpec(_Frozen):
     """Global gradient-norm clip."""
     log_std_init: float = 0.0
     """Continuous actions: the Gaussian's log standard deviation at the start."""
-    chunks_per_batch: int = Field(1, ge=1)
+    chunks_per_batch: int = Field(1, ge=1, le=MAX_SAMPLES)
     """Sampler chunks (``env.envs_per_sampler`` x ``env.send_every`` steps each) in one batch."""
-    max_staleness: int = Field(1, ge=0)
+    max_staleness: int = Field(1, ge=0, le=MAX_STEPS)
     """Async mode: a chunk acted by a version older than the learner's minus this is dropped, not
     trained (counted)."""
-    queue_chunks: int = Field(1, ge=1)
+    queue_chunks: int = Field(1, ge=1, le=MAX_SAMPLES)
     """Async mode: places in the queue, for chunks queued or being collected; a sampler waits for
     one before it acts. At least ``env.samplers`` lets every sampler act at once."""
 
@@ -138,7 +141,7 @@ class PPOSpec(_Frozen):
 class ReplayLimitSpec(_Frozen):
     """The transition replay and its sample-to-insert rate limit (core/env/rate_limiter.py)."""
 
-    capacity: int = Field(100_000, ge=1)
+    capacity: int = Field(100_000, ge=1, le=MAX_SAMPLES)
     """Rows the replay holds; the oldest are overwritten."""
     prioritized: bool = True
     """Draw rows in proportion to priority ** alpha (PER), else uniformly."""
@@ -148,7 +151,7 @@ class ReplayLimitSpec(_Frozen):
     """PER's importance-weight exponent at the start; it rises linearly to 1 over the run."""
     samples_per_insert: float = Field(32.0, gt=0)
     """Rows sampled per row inserted, on average over the run."""
-    min_size_to_sample: int = Field(1_000, ge=1)
+    min_size_to_sample: int = Field(1_000, ge=1, le=MAX_SAMPLES)
     """Rows inserted before the first sample."""
     durable: bool = False
     """Async mode: journal the store actor (to the run's directory), so that one restarted after a
@@ -165,7 +168,7 @@ class EnvRaySpec(_Frozen):
 
     address: str | None = None
     """Join this cluster (e.g. `auto`); None starts a local instance for the run and stops it after."""
-    num_cpus: int | None = Field(None, ge=1)
+    num_cpus: int | None = Field(None, ge=1, le=MAX_DEVICES)
     """CPUs of the local instance; None gives it every core of the machine."""
     sampler: RoleSpec = RoleSpec(num_cpus=1.0, max_concurrency=4)
     """Each sampler actor: its environments and the policy's forward pass."""
@@ -173,7 +176,7 @@ class EnvRaySpec(_Frozen):
     """The learner actor."""
     replay: RoleSpec = RoleSpec(num_cpus=0.0, max_concurrency=64)
     """The store actor (DQN's replay, PPO's queue): bookkeeping and sampling, no network."""
-    max_restarts: int = Field(3, ge=0)
+    max_restarts: int = Field(3, ge=0, le=MAX_STEPS)
     """Times Ray restarts a sampler, replay or (checkpointed) learner actor that died, per actor."""
     recovery_timeout_s: float = Field(60.0, gt=0)
     """How long a caller retries a restarting actor before the run fails with an error naming it."""
@@ -182,7 +185,7 @@ class EnvRaySpec(_Frozen):
 class EnvCheckpointSpec(_Frozen):
     """Checkpoints of a run, in its directory: what ``--resume RUN_DIR`` goes on from."""
 
-    every: int = Field(0, ge=0)
+    every: int = Field(0, ge=0, le=MAX_STEPS)
     """Learner versions between checkpoints of the learner (its networks, optimizer and counts);
     the store (DQN's replay, PPO's queue) then journals everything it takes. A run with them is
     written in place and resumes with ``--resume`` from where it stopped; in async mode a
@@ -201,9 +204,9 @@ class EnvFaultSpec(_Frozen):
     the store actor, DQN's replay or PPO's queue (it rebuilds from its journal: needs
     `replay.durable` or checkpoints), or the learner actor (it goes on from its latest checkpoint:
     needs `checkpoint.every`)."""
-    sampler: int = Field(0, ge=0)
+    sampler: int = Field(0, ge=0, le=MAX_DEVICES)
     """Which sampler, from 0."""
-    at_env_steps: int = Field(..., ge=1)
+    at_env_steps: int = Field(..., ge=1, le=MAX_ENV_STEPS)
     """When: the first poll of the driver that sees the store past this many env steps."""
 
 
@@ -215,10 +218,10 @@ class EnvSimSpec(_Frozen):
     Ray pipeline paid them (bench/env_sim_check.py --fit), 1.2-1.4x what they cost alone:
     docs/results/2026-12-02-env-sim.md."""
 
-    machines: int = Field(1, ge=1)
+    machines: int = Field(1, ge=1, le=MAX_DEVICES)
     """Machines the samplers are spread over, round-robin from machine 0. The replay and the learner
     sit on machine 0 (Ray's head node), so that machine's samplers send without crossing a NIC."""
-    cores_per_machine: int | None = Field(None, ge=1)
+    cores_per_machine: int | None = Field(None, ge=1, le=MAX_DEVICES)
     """CPU cores of each machine; the samplers on a machine, and the learner on machine 0, share
     them, and a sampler's compute slows by how far they oversubscribe them. None: a core each."""
     nic_gbit_s: float = Field(10.0, gt=0)
@@ -247,11 +250,11 @@ class EnvSimSpec(_Frozen):
     """The replay's added work per row inserted (measured, as ``replay_call_s``)."""
     replay_sample_row_s: float = Field(1.2e-7, ge=0)
     """The replay's added work per row sampled, its new priority included (measured, as ``replay_call_s``)."""
-    row_bytes: int | None = Field(None, ge=1)
+    row_bytes: int | None = Field(None, ge=1, le=MAX_BYTES)
     """Bytes of one row on the wire. None: the replay's columns for ``env.id`` (core/env/wiring.py
     replay_spec): two float32 observations, an int64 action, float32 reward, discount and log-prob,
     an int64 version, 8 x obs + 28 bytes; ``env.id`` is made once to read its observation size."""
-    param_bytes: int | None = Field(None, ge=1)
+    param_bytes: int | None = Field(None, ge=1, le=MAX_BYTES)
     """Bytes of one weight version a sampler fetches. None: the float32 Q-network of ``dqn.hidden``
     on ``env.id``'s observation size and action count."""
     jitter: float = Field(0.05, ge=0, lt=1)
@@ -264,11 +267,11 @@ class EnvScenario(_Frozen):
 
     kind: Literal["env"] = "env"
     """Marks the scenario as an env workload (an LLM scenario has no `kind`)."""
-    name: str = "env"
-    """A label for reports and the default run directory."""
-    seed: int = Field(0, ge=0)
+    name: RunName = "env"
+    """A label for reports and the default run directory: letters, digits, '-', '_' and '.'."""
+    seed: int = Field(0, ge=0, le=MAX_INT)
     """Seeds environments, networks and the replay."""
-    seeds: tuple[int, ...] = ()
+    seeds: tuple[int, ...] = Field((), max_length=MAX_SEEDS)
     """Run every mode once per seed and report mean and spread; empty: `seed` alone."""
     modes: tuple[EnvMode, ...] = ("sync", "async")
     """`sync`: sampler and learner take turns in one thread; `async`: sampler actors, the replay actor
@@ -329,8 +332,8 @@ class EnvScenario(_Frozen):
         self._check_faults()
         if self.learner == "ppo":
             p = self.ppo
-            if not p.hidden or min(p.hidden) < 1:
-                raise ConfigError("ppo.hidden", list(p.hidden), "every layer needs a width of at least 1", "e.g. [64, 64]")
+            if not p.hidden or min(p.hidden) < 1 or max(p.hidden) > MAX_DIM:
+                raise ConfigError("ppo.hidden", list(p.hidden), f"every layer needs a width of at least 1 and at most {MAX_DIM:,}", "e.g. [64, 64]")
             if p.queue_chunks < p.chunks_per_batch:
                 raise ConfigError(
                     "ppo.queue_chunks", p.queue_chunks, f"holds fewer chunks than one batch takes (ppo.chunks_per_batch = "
@@ -344,8 +347,8 @@ class EnvScenario(_Frozen):
                 )
             return self
         d, r = self.dqn, self.replay
-        if not d.hidden or min(d.hidden) < 1:
-            raise ConfigError("dqn.hidden", list(d.hidden), "every layer needs a width of at least 1", "e.g. [256, 256]")
+        if not d.hidden or min(d.hidden) < 1 or max(d.hidden) > MAX_DIM:
+            raise ConfigError("dqn.hidden", list(d.hidden), f"every layer needs a width of at least 1 and at most {MAX_DIM:,}", "e.g. [256, 256]")
         if d.eps_end > d.eps_start:
             raise ConfigError("dqn.eps_end", d.eps_end, f"is above dqn.eps_start = {d.eps_start}", "make eps_end <= eps_start")
         if r.min_size_to_sample < self.max_sample_rows():
@@ -383,8 +386,15 @@ class EnvScenario(_Frozen):
             if f.target == "replay" and not self.durable_store():
                 raise ConfigError(f"{key}.target", f.target, "a store (replay or queue) that is not journaled loses its rows when it dies",
                                   "set replay.durable: true")
-            if self.ray.max_restarts < 1:
-                raise ConfigError("ray.max_restarts", self.ray.max_restarts, "a killed actor would not come back", "use at least 1")
+        kills: dict[str, int] = {}
+        for f in self.faults:
+            name = f"sampler {f.sampler}" if f.target == "sampler" else f"the {f.target}"
+            kills[name] = kills.get(name, 0) + 1
+        most = max(kills.items(), key=lambda kv: kv[1], default=None)
+        if most is not None and most[1] > self.ray.max_restarts:
+            # Ray restarts an actor max_restarts times; one more kill ends the run.
+            raise ConfigError("ray.max_restarts", self.ray.max_restarts, f"faults kill {most[0]} {most[1]} times, "
+                              "and a killed actor past its restarts would not come back", f"use at least {most[1]}, or fewer kills")
 
     def durable_store(self) -> bool:
         """Whether the store journals what it takes: asked for, or needed by checkpoints."""
