@@ -692,7 +692,7 @@ def read_driver(path: Path) -> DriverState:
     before it first wrote one."""
     if not path.exists():
         return DriverState()
-    snap = checkpoint.decode(path.read_bytes(), str(path))
+    snap = checkpoint.decode(checkpoint.read_file(path), str(path))
     try:
         return DriverState(
             **snap.state, eval_env_steps=[int(x) for x in snap.arrays["eval_env_steps"]],

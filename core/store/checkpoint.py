@@ -35,6 +35,7 @@ import numpy as np
 from core.model.group_wire import from_record, to_record
 from core.model.sample import Group
 from core.model.owned import discard_owned, is_owned, make_owned, remove_owned
+from core.model.regular_file import UnreadableFile, read_regular
 from ext import codec
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ STATE_KIND = "asyncrl.checkpoint/1"
 SLOTS = ("queued", "interrupted", "retry", "holding")
 # Far above any real checkpoint; bounds what a crafted header can make a reader allocate.
 MAX_RECORDS = 1 << 24
+MAX_FILE_BYTES = 1 << 40  # what a checkpoint file may be: only a bound on what a wrong file makes a reader take
 
 
 class CheckpointError(Exception):
@@ -218,14 +220,19 @@ def latest(root: Path) -> Optional[Path]:
     return found[-1] if found else None
 
 
+def read_file(f: Path, fix: str = "resume from a run directory that has checkpoints") -> bytes:
+    """A checkpoint file's bytes; ``CheckpointError`` if it is missing or is not a regular file
+    (a FIFO in its place would block the read forever)."""
+    try:
+        return read_regular(f, MAX_FILE_BYTES, fix)
+    except UnreadableFile as exc:
+        raise CheckpointError(str(f), exc.problem, exc.fix) from None
+
+
 def load(path: Path) -> Snapshot:
     """Read ``path/state.ckpt``; every problem is a ``CheckpointError``."""
     f = Path(path) / STATE_FILE
-    try:
-        data = f.read_bytes()
-    except OSError as exc:
-        raise CheckpointError(str(f), f"cannot be read ({exc.strerror})", "resume from a run directory that has checkpoints") from None
-    return decode(data, str(f))
+    return decode(read_file(f), str(f))
 
 
 def load_tensors(path: Path, stem: str) -> dict[str, np.ndarray]:
@@ -234,9 +241,8 @@ def load_tensors(path: Path, stem: str) -> dict[str, np.ndarray]:
     from safetensors.numpy import load as st_load
 
     f = Path(path) / f"{stem}.safetensors"
+    data = read_file(f, _CORRUPT_FIX)
     try:
-        return st_load(f.read_bytes())
-    except OSError as exc:
-        raise CheckpointError(str(f), f"cannot be read ({exc.strerror})", _CORRUPT_FIX) from None
+        return st_load(data)
     except (SafetensorError, ValueError) as exc:
         raise CheckpointError(str(f), f"not a valid safetensors file ({exc})", _CORRUPT_FIX) from None
