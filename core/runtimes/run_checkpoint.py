@@ -16,18 +16,22 @@ by the queue, which kept it unacknowledged.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import dataclasses
 import hashlib
 import logging
+import math
 from pathlib import Path
 from typing import Optional
 
 from core.api import TrainBackend
-from core.model.config import Scenario
-from core.model.faults import FaultLog
+from core.model.config import Placement, Scenario, shown
+from core.model.faults import FaultLog, FaultRecord
 from core.model.ledger import Ledger
 from core.pipeline.trainer import Trainer
 from core.pipeline.wiring import System
-from core.store.checkpoint import CheckpointError, Snapshot, latest, load, load_tensors, save
+from core.store.checkpoint import STATE_FILE, CheckpointError, Snapshot, latest, load, load_tensors, save
 
 log = logging.getLogger(__name__)
 
@@ -110,13 +114,118 @@ def _check(snap: Snapshot, sc: Scenario, mode: str, where: str) -> None:
         )
 
 
+# What ``restore`` reads of each engine's state: a simulated engine's model state, or a real
+# engine's counters (core/sim/engine.py and core/real/engine_meter.py write them).
+_ENGINE_KEYS = {
+    "sim": ("version", "tokens_generated", "prefill_tokens", "busy_s", "seq_s", "S", "t", "C", "seq", "slowdown", "hang_next", "down_until"),
+    "real": ("tokens_generated", "prefill_tokens", "busy_s", "seq_s"),
+}
+_FAULT_RECORD = {f.name for f in dataclasses.fields(FaultRecord)}
+
+
+class _Unfit(ValueError):
+    """A part of a checkpoint's state that ``restore`` could not take."""
+
+
+def _real(value: object, what: str) -> float:
+    """A time or a total: a finite real, not negative (a NaN clock never reaches its next event:
+    the run hung)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise _Unfit(f"{what} = {shown(value)} is not a finite number >= 0")
+    return float(value)
+
+
+def _count(value: object, what: str, most: Optional[int] = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (most is not None and value > most):
+        raise _Unfit(f"{what} = {shown(value)} is not a count" + (f" from 0 to {most}" if most is not None else " >= 0"))
+    return value
+
+
+def _part(parent: dict, key: str, kind: type, what: str) -> object:
+    value = parent.get(key)
+    if not isinstance(value, kind):
+        raise _Unfit(f"{what} is {type(value).__name__}, not the {kind.__name__} a run checkpoint holds")
+    return value
+
+
+def check_contents(snap: Snapshot, sc: Scenario, mode: str) -> None:
+    """Every part ``restore`` reads is there and of its type, and every clock and count is
+    finite and in range: a resume refuses a checkpoint that cannot fit this run before anything
+    runs (``_Unfit`` says which part), instead of failing, or hanging, once it has started."""
+    st = snap.state
+    clock = _real(st.get("clock"), "clock")
+    if st.get("sync") is not None:
+        sync = _part(st, "sync", dict, "sync")
+        _count(sync.get("version"), "sync.version")
+        for k in ("t0", "t1"):
+            if _real(sync.get(k), f"sync.{k}") > clock:
+                raise _Unfit(f"sync.{k} = {shown(sync[k])} is after the clock, {clock!r}")
+    tr = _part(st, "trainer", dict, "trainer")
+    _count(tr.get("step"), "trainer.step", sc.trainer.steps)
+    _count(tr.get("version"), "trainer.version")
+    _real(tr.get("wait_s"), "trainer.wait_s")
+    for i, info in enumerate(_part(tr, "step_info", list, "trainer.step_info")):
+        _real(info.get("end_s") if isinstance(info, dict) else None, f"trainer.step_info.{i}.end_s")
+    ps = _part(st, "param_sync", dict, "param_sync")
+    for k in ("pause_s", "drain_s", "transfer_s"):
+        _part(ps, k, list, f"param_sync.{k}")
+    ledger = _part(st, "ledger", dict, "ledger")
+    for k, ref in Ledger(sc.staleness.max_staleness).state().items():  # the types a fresh ledger has
+        number = isinstance(ref, (int, float)) and not isinstance(ref, bool)
+        v = ledger.get(k)
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) if number else isinstance(v, type(ref))):
+            raise _Unfit(f"ledger.{k} is {type(v).__name__}, not {type(ref).__name__}")
+    try:
+        base64.b64decode(ledger["_trained_mask"], validate=True)
+    except (binascii.Error, ValueError):
+        raise _Unfit("ledger._trained_mask is not base64") from None
+    for w, rows in _part(st, "timeline", dict, "timeline").items():
+        if not isinstance(rows, list):
+            raise _Unfit(f"timeline.{w} is {type(rows).__name__}, not a list of spans")
+    ro = _part(st, "rollouter", dict, "rollouter")
+    for k in ("version", "admitted", "next_prompt"):
+        _count(ro.get(k), f"rollouter.{k}")
+    q = _part(st, "queue", dict, "queue")
+    _count(q.get("version"), "queue.version")
+    for k, v in _part(q, "counters", dict, "queue.counters").items():
+        _count(v, f"queue.counters.{k}")
+    engines = _part(st, "engines", list, "engines")
+    want = Placement.of(sc, mode).engines
+    if len(engines) != want:
+        raise _Unfit(f"holds {len(engines)} engine states, and this run's {mode} mode has {want} engines")
+    keys = _ENGINE_KEYS["sim" if sc.runtime == "sim" else "real"]
+    for i, es in enumerate(engines):
+        missing = [k for k in keys if not isinstance(es, dict) or k not in es]
+        if missing:
+            raise _Unfit(f"engines.{i} lacks {', '.join(missing[:3])}")
+        for k, v in es.items():
+            if isinstance(v, float) and not math.isfinite(v):
+                raise _Unfit(f"engines.{i}.{k} = {v!r} is not finite")
+    be = _part(st, "backend", dict, "backend")
+    for k in ("compute_s", "flops"):
+        _real(be.get(k), f"backend.{k}")
+    f = _part(st, "faults", dict, "faults")
+    for i in _part(f, "fired", list, "faults.fired"):
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(sc.faults):
+            raise _Unfit(f"faults.fired names fault {shown(i)}, and this run has {len(sc.faults)} faults")
+    for i, r in enumerate(_part(f, "records", list, "faults.records")):
+        if not isinstance(r, dict) or set(r) != _FAULT_RECORD:
+            raise _Unfit(f"faults.records.{i} is not a fault record ({', '.join(sorted(_FAULT_RECORD))})")
+
+
 def load_run(run_dir: Path, sc: Scenario, mode: str) -> Optional[tuple[Path, Snapshot]]:
-    """The latest checkpoint of ``mode`` in ``run_dir``, checked against ``sc``; None if none."""
+    """The latest checkpoint of ``mode`` in ``run_dir``, checked against ``sc`` and checked to
+    fit it (``check_contents``); None if none."""
     path = latest(checkpoint_dir(run_dir, mode))
     if path is None:
         return None
     snap = load(path)
     _check(snap, sc, mode, str(path))
+    try:
+        check_contents(snap, sc, mode)
+    except _Unfit as exc:
+        raise CheckpointError(str(path / STATE_FILE), f"does not fit this run: {exc}", "delete this checkpoint to resume from "
+                              "the one before it, or start the run again") from None
     if sc.runtime != "sim":
         for stem in ("weights", "optimizer"):
             if not (path / f"{stem}.safetensors").is_file():
