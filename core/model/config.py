@@ -831,7 +831,7 @@ class Scenario(_Frozen):
             name, n = most
             raise ConfigError(
                 "recovery.max_restarts", self.recovery.max_restarts,
-                f"faults kill {name} {n} times, so the run would end in RestartsExhausted", f"use at least {n}, or fewer kills",
+                f"{n} fault{'s kill' if n > 1 else ' kills'} {name}, so the run would end in RestartsExhausted", f"use at least {n}, or fewer kills",
             )
 
     @property

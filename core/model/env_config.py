@@ -393,8 +393,9 @@ class EnvScenario(_Frozen):
         most = max(kills.items(), key=lambda kv: kv[1], default=None)
         if most is not None and most[1] > self.ray.max_restarts:
             # Ray restarts an actor max_restarts times; one more kill ends the run.
-            raise ConfigError("ray.max_restarts", self.ray.max_restarts, f"faults kill {most[0]} {most[1]} times, "
-                              "and a killed actor past its restarts would not come back", f"use at least {most[1]}, or fewer kills")
+            name, n = most
+            raise ConfigError("ray.max_restarts", self.ray.max_restarts, f"{n} fault{'s kill' if n > 1 else ' kills'} {name}, "
+                              "and a killed actor past its restarts would not come back", f"use at least {n}, or fewer kills")
 
     def durable_store(self) -> bool:
         """Whether the store journals what it takes: asked for, or needed by checkpoints."""
