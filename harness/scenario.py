@@ -6,8 +6,10 @@ dotted key, the value and the fix.
 
 from __future__ import annotations
 
+import codecs
 import copy
 import difflib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -15,12 +17,138 @@ from typing import Any, Optional
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from core.model.config import ConfigError, Scenario, set_dotted
+from core.model.config import ECHO_CHARS, REFUSED, ConfigError, Scenario, name_problem, safe_name, set_dotted, shown
 from core.model.env_config import EnvScenario
+from core.model.regular_file import UnreadableFile, read_regular
+
+# Far above any scenario (a few KB, a few hundred values, 5 levels deep), far below what hurts.
+MAX_FILE_BYTES = 1 << 20
+MAX_DEPTH = 32
+MAX_VALUES = 100_000  # after YAML aliases are expanded: a 'billion laughs' file is refused here
+MAX_NUMBER_CHARS = 40  # int('9' * 5000) raises; no count needs more than 16 digits
+MAX_KEY_PARTS = 16
+_FIX_FILE = "pass a scenario YAML such as scenarios/quickstart.yaml"
+_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"), (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"))
 
 
 class ScenarioError(Exception):
     """A scenario that cannot run; the message is the whole story, one line."""
+
+
+class _NotYaml(ScenarioError):
+    """Text that does not parse as YAML (a ``--set`` value then stands for itself)."""
+
+
+class _Refused(Exception):
+    """Input the YAML loader refuses, at a mark (where in the text), with its fix."""
+
+    def __init__(self, mark: Any, problem: str, fix: str) -> None:
+        self.mark, self.problem, self.fix = mark, problem, fix
+        super().__init__(problem)
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, strict: a key given twice in one mapping is an error (PyYAML keeps
+    the last silently), and an integer too long to be a count is refused before ``int()`` sees it."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node)
+                first = seen.setdefault(key, key_node.start_mark)
+                if first is not key_node.start_mark:
+                    raise _Refused(key_node.start_mark, f"{shown(key)} is given twice in one mapping (first on line {first.line + 1})",
+                                   "keep one of the two, or merge them")
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        text = self.construct_scalar(node)
+        if len(text) > MAX_NUMBER_CHARS:
+            raise _Refused(node.start_mark, f"a number of {len(text):,} characters", "use a number of at most 16 digits")
+        return super().construct_yaml_int(node)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
+
+
+def _check_events(text: str) -> None:
+    """Nesting depth and the number of values once aliases are expanded, counted on the event
+    stream (the parser is a loop, not a recursion): before the composer, which recurses per level,
+    and before anything walks a structure whose aliases multiply it."""
+    sizes: dict[str, int] = {}  # values an anchored node expands to
+    stack: list[list] = []  # [values so far, anchor] of each open collection
+    total = 0
+    for event in yaml.parse(text, Loader=_Loader):
+        if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+            if len(stack) >= MAX_DEPTH:
+                raise _Refused(event.start_mark, f"values are nested more than {MAX_DEPTH} deep", "flatten it: a scenario is a few levels deep")
+            stack.append([1, event.anchor])
+            total += 1
+        elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+            n, anchor = stack.pop()
+            if anchor is not None:
+                sizes[anchor] = n
+            if stack:
+                stack[-1][0] += n
+        elif isinstance(event, (yaml.ScalarEvent, yaml.AliasEvent)):
+            n = sizes.get(event.anchor, 1) if isinstance(event, yaml.AliasEvent) else 1
+            if isinstance(event, yaml.ScalarEvent) and event.anchor is not None:
+                sizes[event.anchor] = 1
+            total += n
+            if stack:
+                stack[-1][0] += n
+        if total > MAX_VALUES:
+            raise _Refused(event.start_mark, f"holds more than {MAX_VALUES:,} values once its aliases (*name) are expanded",
+                           "write the values out; a scenario holds a few hundred")
+
+
+def _at(text: str, index: int) -> str:
+    """'line L, column C' of character ``index`` of ``text``."""
+    start = text.rfind("\n", 0, index) + 1
+    line = text.count("\n", 0, index) + 1
+    return f"line {line}, column {index - start + 1}"
+
+
+def _clip(text: str) -> str:
+    """At most ``ECHO_CHARS`` of a piece of the user's text, as it is (no quotes)."""
+    return text if len(text) <= ECHO_CHARS else text[: ECHO_CHARS - 3] + "..."
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """YAML text to Python values, within the limits above; ``ScenarioError`` names ``where``,
+    the line and column, and the fix."""
+    try:
+        _check_events(text)
+        return yaml.load(text, Loader=_Loader)
+    except _Refused as exc:
+        m = exc.mark
+        raise ScenarioError(f"{where}: line {m.line + 1}, column {m.column + 1}: {exc.problem}; fix: {exc.fix}") from None
+    except yaml.reader.ReaderError as exc:
+        raise _NotYaml(f"{where}: {_at(text, exc.position)}: character U+{exc.character:04X} is not allowed in YAML "
+                       "(a control character); fix: remove it") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = " ".join(str(getattr(exc, "problem", None) or "syntax error").split())
+        raise _NotYaml(f"{where}: {at}not valid YAML ({problem}); fix: correct the syntax there") from None
+
+
+def _decode(data: bytes, path: Path) -> str:
+    """UTF-8 text (a UTF-8 byte order mark allowed); anything else is one line naming the byte."""
+    for bom, name in _BOMS:
+        if data.startswith(bom):
+            raise ScenarioError(f"{path}: is {name} (it starts with a byte order mark); fix: save it as UTF-8")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        start = exc.start
+        line = data.count(b"\n", 0, start) + 1
+        column = start - (data.rfind(b"\n", 0, start) + 1) + 1
+        raise ScenarioError(f"{path}: line {line}, column {column} (byte {start}): byte {data[start]:#04x} is not UTF-8; "
+                            "fix: save the file as UTF-8") from None
 
 
 def _root(data: dict) -> type[BaseModel]:
@@ -59,6 +187,12 @@ def _fix_for(err: dict, root: type[BaseModel]) -> tuple[str, str]:
         return err["msg"].lower(), bounds[kind].format(**ctx)
     if kind == "literal_error":
         return "is not one of the choices", f"use one of {ctx.get('expected')}"
+    if kind == REFUSED:
+        return ctx["problem"], ctx["fix"]
+    if kind == "finite_number":
+        return "is not a finite number", "use a finite number (no .inf or .nan)"
+    if kind == "too_long":
+        return f"has more than {ctx.get('max_length')} entries", f"list at most {ctx.get('max_length')}"
     if kind.startswith(("int_", "float_", "bool_", "string_", "tuple_", "list_", "dict_", "model_")):
         return err["msg"].lower(), "write a value of that type"
     return err["msg"], "see the field's docstring in core/model/config.py"
@@ -73,12 +207,11 @@ def _error_line(exc: ValidationError, origin: dict[str, str], root: type[BaseMod
         key = ".".join(str(p) for p in err["loc"]) or "(scenario)"
         value = err.get("input")
         problem, fix = _fix_for(err, root)
-        if isinstance(value, dict):
-            value = "{...}"
+    shown_value = "{...}" if isinstance(value, dict) else shown(value)
     where = origin.get(key, origin.get("", ""))
     extra = len(exc.errors()) - 1
     more = f" ({extra} more problem{'s' if extra > 1 else ''} after this one)" if extra else ""
-    return f"{where}: {key} = {value!r}: {problem}; fix: {fix}{more}"
+    return f"{where}: {key} = {shown_value}: {problem}; fix: {fix}{more}"
 
 
 def _set(data: dict, key: str, value: Any, where: str) -> None:
@@ -89,19 +222,23 @@ def _set(data: dict, key: str, value: Any, where: str) -> None:
 
 
 def _read(path: Path) -> dict:
-    if not path.is_file():
-        raise ScenarioError(f"{path}: no such file; fix: pass a scenario YAML such as scenarios/quickstart.yaml")
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        raise ScenarioError(f"{path}: {at}not valid YAML ({getattr(exc, 'problem', exc)}); fix: correct the syntax there") from None
+        data = read_regular(path, MAX_FILE_BYTES, _FIX_FILE)
+    except UnreadableFile as exc:
+        raise ScenarioError(str(exc)) from None
+    data = parse_yaml(_decode(data, path), str(path))
     if data is None:
-        data = {}
+        raise ScenarioError(f"{path}: holds no scenario (it is empty, or only comments); fix: {_FIX_FILE}, or write keys such as 'name:' and 'trainer:'")
     if not isinstance(data, dict):
         raise ScenarioError(f"{path}: the top level is a {type(data).__name__}; fix: write a mapping of keys such as 'name:' and 'trainer:'")
     return data
+
+
+def _check_key(key: Any, where: str) -> str:
+    """A dotted key: a string of at most ``MAX_KEY_PARTS`` non-empty parts."""
+    if not isinstance(key, str) or not key or len(key.split(".")) > MAX_KEY_PARTS or any(not p for p in key.split(".")):
+        raise ScenarioError(f"{where}: {shown(key)} is not a dotted key (such as trainer.steps); fix: e.g. trainer.steps: 100")
+    return key
 
 
 def _build(data: dict, changes: list[tuple[str, Any, str]], origin: dict[str, str]) -> Scenario | EnvScenario:
@@ -122,13 +259,15 @@ def _parse_sets(overrides: list[str]) -> list[tuple[str, Any, str]]:
     for item in overrides:
         key, eq, raw = item.partition("=")
         key = key.strip()
-        if not eq or not key or any(not p for p in key.split(".")):
-            raise ScenarioError(f"--set {item!r}: expected dotted.key=value; fix: e.g. --set trainer.steps=100")
+        parts = key.split(".")
+        if not eq or not key or any(not p for p in parts) or len(parts) > MAX_KEY_PARTS:
+            raise ScenarioError(f"--set {shown(item)}: expected dotted.key=value; fix: e.g. --set trainer.steps=100")
+        where = f"--set {_clip(item)}"
         try:
-            value = yaml.safe_load(raw) if raw.strip() else raw
-        except yaml.YAMLError:
-            value = raw
-        out.append((key, value, f"--set {item}"))
+            value = parse_yaml(raw, where) if raw.strip() else raw
+        except _NotYaml:
+            value = raw  # not YAML (e.g. a path with ': '): the text itself; a limit passed is still an error
+        out.append((key, value, where))
     return out
 
 
@@ -144,13 +283,14 @@ class Variant:
 def load_resolved(path: str | Path) -> Scenario:
     """A run directory's resolved scenario (JSON, every key written); ``ScenarioError`` if it
     is unreadable or no longer valid."""
-    import json
-
     path = Path(path)
+    fix = "resume a run directory that asyncrl wrote"
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ScenarioError(f"{path}: unreadable ({exc}); fix: resume a run directory that asyncrl wrote") from None
+        data = json.loads(read_regular(path, MAX_FILE_BYTES, fix))
+    except UnreadableFile as exc:
+        raise ScenarioError(str(exc)) from None
+    except (ValueError, RecursionError) as exc:
+        raise ScenarioError(f"{path}: unreadable ({_clip(str(exc))}); fix: {fix}") from None
     if not isinstance(data, dict):
         raise ScenarioError(f"{path}: not a scenario (a JSON object); fix: resume a run directory that asyncrl wrote")
     return _build(data, [], {"": str(path)})
@@ -175,19 +315,26 @@ def load_variants(path: str | Path, overrides: list[str] = ()) -> list[Variant]:
     sets = _parse_sets(list(overrides))
     if "sweep" in data:
         raise ScenarioError(f"{path}: holds a sweep, a grid of scenarios; fix: run it with python -m harness.run, or load it with harness.sweep.load_sweep")
-    variants = data.pop("variants", None)
+    if "variants" not in data:
+        return [Variant(None, _build(data, sets, {"": str(path)}))]
+    variants = data.pop("variants")
     origin = {"": str(path)}
-    if variants is None:
-        return [Variant(None, _build(data, sets, origin))]
     if not isinstance(variants, dict) or not variants:
-        raise ScenarioError(f"{path}: variants = {variants!r}: must map labels to {{set: ..., published: ...}}; fix: see scenarios/verl-table.yaml")
+        raise ScenarioError(f"{path}: variants = {shown(variants)}: must map labels to {{set: ..., published: ...}}; fix: see scenarios/verl-table.yaml")
     out = []
     for label, body in variants.items():
+        label = str(label)
+        problem = name_problem(label)
+        if problem is not None:  # a label names the variant's directory and titles its plots
+            raise ScenarioError(f"{path}: variants.{_clip(label)}: the label {problem}; fix: use e.g. {safe_name(label)!r}")
         where = f"{path}: variants.{label}"
-        body = body or {}
+        body = {} if body is None else body
         if not isinstance(body, dict) or set(body) - {"set", "published"}:
-            raise ScenarioError(f"{where}: only 'set' and 'published' are allowed; fix: move other keys under 'set'")
-        own = [(k, v, f"{where}.set") for k, v in (body.get("set") or {}).items()]
+            raise ScenarioError(f"{where} = {shown(body)}: holds other than 'set' and 'published'; fix: move other keys under 'set'")
+        for part, example in (("set", "{trainer.steps: 100}"), ("published", "{metric: value, source: text}")):
+            if not isinstance(body.get(part) or {}, dict):
+                raise ScenarioError(f"{where}.{part} = {shown(body[part])}: must be a mapping; fix: e.g. {part}: {example}")
+        own = [(_check_key(k, f"{where}.set"), v, f"{where}.set") for k, v in (body.get("set") or {}).items()]
         sc = _build(data, own + sets, origin)
-        out.append(Variant(str(label), sc, dict(body.get("published") or {})))
+        out.append(Variant(label, sc, dict(body.get("published") or {})))
     return out

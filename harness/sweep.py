@@ -36,7 +36,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from core.model.config import ConfigError, Placement, Scenario, set_dotted, with_changes
+from core.model.config import ConfigError, Placement, Scenario, set_dotted, shown, with_changes
 from core.runtimes.dispatch import run_mode
 from core.model.owned import discard_owned, make_owned, remove_owned, replaceable
 from harness import report
@@ -125,7 +125,7 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> Sweep:
     if "variants" in data:
         raise ScenarioError(f"{path}: holds both variants and a sweep; fix: make each variant an axis value, or split the file")
     if not isinstance(body, dict):
-        raise ScenarioError(f"{at} = {body!r}: must be a mapping with 'axes'; fix: see docs/sweeps.md")
+        raise ScenarioError(f"{at} = {shown(body)}: must be a mapping with 'axes'; fix: see docs/sweeps.md")
     body = copy.deepcopy(body)
     base_sets = []
     for key, value, where in _parse_sets(list(overrides)):
@@ -147,28 +147,28 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> Sweep:
 
     modes = data.get("modes", Scenario.model_fields["modes"].default)
     if data.get("runtime", "sim") != "sim":
-        raise ScenarioError(f"{path}: runtime = {data['runtime']!r}: a sweep runs on the sim runtime; fix: set runtime: sim")
+        raise ScenarioError(f"{path}: runtime = {shown(data['runtime'])}: a sweep runs on the sim runtime; fix: set runtime: sim")
     mode = body.get("mode")
     if mode is None:
         if not isinstance(modes, (list, tuple)) or len(modes) != 1:
             raise ScenarioError(f"{at}.mode: is required when modes lists several; fix: name the mode whose report is ranked, one of {list(modes)}")
         mode = modes[0]
     if not isinstance(modes, (list, tuple)) or mode not in modes:
-        raise ScenarioError(f"{at}.mode = {mode!r}: is not one of the modes the file runs ({modes}); fix: use one of them, or add it to modes")
+        raise ScenarioError(f"{at}.mode = {shown(mode)}: is not one of the modes the file runs ({modes}); fix: use one of them, or add it to modes")
     goal = body.get("goal", "max")
     if goal not in ("max", "min"):
-        raise ScenarioError(f"{at}.goal = {goal!r}: is not one of the choices; fix: use max or min")
+        raise ScenarioError(f"{at}.goal = {shown(goal)}: is not one of the choices; fix: use max or min")
     objective = body.get("objective", DEFAULT_OBJECTIVE)
     if not isinstance(objective, str) or "/" not in objective:
-        raise ScenarioError(f"{at}.objective = {objective!r}: is not a report metric; fix: name one such as {DEFAULT_OBJECTIVE}")
+        raise ScenarioError(f"{at}.objective = {shown(objective)}: is not a report metric; fix: name one such as {DEFAULT_OBJECTIVE}")
     workers = body.get("workers", os.cpu_count() or 1)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ScenarioError(f"{at}.workers = {workers!r}: must be a whole number >= 1; fix: use e.g. {os.cpu_count()} (this machine's CPUs)")
+        raise ScenarioError(f"{at}.workers = {shown(workers)}: must be a whole number >= 1; fix: use e.g. {os.cpu_count()} (this machine's CPUs)")
     constraints = _constraints(body.get("constraints", []), at)
     heatmap = body.get("heatmap", [a.name for a in axes[:2]])
     names = [a.name for a in axes]
     if not isinstance(heatmap, list) or not 1 <= len(heatmap) <= 2 or any(h not in names for h in heatmap) or len(set(heatmap)) != len(heatmap):
-        raise ScenarioError(f"{at}.heatmap = {heatmap!r}: must list one or two axis names; fix: use names from {names}")
+        raise ScenarioError(f"{at}.heatmap = {shown(heatmap)}: must list one or two axis names; fix: use names from {names}")
 
     sweep = Sweep(path, str(data.get("name", "scenario")), data, axes, constraints, objective, goal, mode, workers, tuple(heatmap))
     points = _points(sweep)
@@ -187,7 +187,7 @@ def _set_or_fail(data: dict, key: str, value: Any, where: str) -> None:
 def _axes(raw: Any, at: str) -> tuple[Axis, ...]:
     example = "e.g. axes: {staleness.max_staleness: [0, 1, 2]}"
     if not isinstance(raw, dict) or not raw:
-        raise ScenarioError(f"{at}.axes = {raw!r}: must map one or more axis names to their values; fix: {example}")
+        raise ScenarioError(f"{at}.axes = {shown(raw)}: must map one or more axis names to their values; fix: {example}")
     axes = []
     for name, values in raw.items():
         name = str(name)
@@ -197,7 +197,7 @@ def _axes(raw: Any, at: str) -> tuple[Axis, ...]:
         elif isinstance(values, list):
             entries = [(None, v) for v in values]
         else:
-            raise ScenarioError(f"{where} = {values!r}: must be a list of values; fix: e.g. [0, 1, 2]")
+            raise ScenarioError(f"{where} = {shown(values)}: must be a list of values; fix: e.g. [0, 1, 2]")
         if not entries:
             raise ScenarioError(f"{where}: has no values; fix: list one or more")
         linked = isinstance(values, dict) or any(isinstance(v, dict) for _, v in entries)
@@ -205,7 +205,7 @@ def _axes(raw: Any, at: str) -> tuple[Axis, ...]:
         for label, v in entries:
             if linked:
                 if not isinstance(v, dict) or not v:
-                    raise ScenarioError(f"{where}: entry {v!r} is not a mapping of dotted keys; fix: write every entry as {{dotted.key: value, ...}}")
+                    raise ScenarioError(f"{where}: entry {shown(v)} is not a mapping of dotted keys; fix: write every entry as {{dotted.key: value, ...}}")
                 settings.append({str(k): x for k, x in v.items()})
                 labels.append(label if label is not None else ":".join(_text(x) for x in v.values()))
             else:
@@ -213,7 +213,7 @@ def _axes(raw: Any, at: str) -> tuple[Axis, ...]:
                 labels.append(_text(v))
         dup = next((x for x in labels if labels.count(x) > 1), None)
         if dup is not None:
-            raise ScenarioError(f"{where}: the value {dup!r} is listed twice; fix: list each value once")
+            raise ScenarioError(f"{where}: the value {shown(dup)} is listed twice; fix: list each value once")
         safe = [_UNSAFE.sub("-", x) for x in labels]
         if len(set(safe)) != len(safe):
             raise ScenarioError(f"{where}: values {labels} give the same directory name; fix: label the entries ({{label: {{key: value}}}})")
@@ -244,7 +244,7 @@ def parse_constraint(text: Any, at: str = "sweep.constraints") -> Constraint:
         )
     key, op, num = m.groups()
     if key not in RESOURCE_KEYS and "/" not in key:
-        raise ScenarioError(f"{at}: {text!r}: {key} is neither a report metric (such as staleness/max) nor gpus; fix: use one of those")
+        raise ScenarioError(f"{at}: {shown(text)}: {key} is neither a report metric (such as staleness/max) nor gpus; fix: use one of those")
     return Constraint(key, op, float(num), text.strip())
 
 
@@ -252,7 +252,7 @@ def _constraints(raw: Any, at: str) -> tuple[Constraint, ...]:
     if isinstance(raw, str):
         raw = [raw]
     if not isinstance(raw, list):
-        raise ScenarioError(f"{at}.constraints = {raw!r}: must be a list of 'KEY OP NUMBER'; fix: e.g. ['staleness/max <= 2', 'gpus <= 128']")
+        raise ScenarioError(f"{at}.constraints = {shown(raw)}: must be a list of 'KEY OP NUMBER'; fix: e.g. ['staleness/max <= 2', 'gpus <= 128']")
     return tuple(parse_constraint(c, f"{at}.constraints[{i}]") for i, c in enumerate(raw))
 
 
