@@ -52,6 +52,7 @@ from harness.sweep import main as run_sweep
 from harness.spans import calibration_spans
 
 SCENARIO_FILE = "scenario.json"  # the resolved scenario of a run written in place (resumable)
+NAME_BYTES = 200  # of one name in --out: file systems take 255, and a staging sibling adds about 12
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -79,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     err = Console(stderr=True)
     logging.basicConfig(level=logging.WARNING, handlers=[RichHandler(console=err, show_path=False)], format="%(message)s")
     if args.scenario is not None and has_sweep(args.scenario):
-        return run_sweep(args, console, err)  # a grid of runs, ranked: harness/sweep.py
+        try:
+            return run_sweep(args, console, err)  # a grid of runs, ranked: harness/sweep.py
+        except KeyboardInterrupt:
+            return _interrupted(None, err)
     try:
         if args.resume is not None:
             variants, out, done = _resumable(args)
@@ -92,10 +96,53 @@ def main(argv: list[str] | None = None) -> int:
                 _check_env_run(variants, out, args)
             else:
                 _check_new_run(variants, out, args)
+            _check_writable(out)
     except (ScenarioError, CheckpointError) as exc:
         err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
+    try:
+        return _run(args, variants, out, done, console, err)
+    except KeyboardInterrupt:
+        return _interrupted(out, err)
 
+
+def _interrupted(out: Path | None, err: Console) -> int:
+    """Ctrl-C: one line on what the run left, instead of the traceback of wherever it was, and
+    exit code 130 (128 + SIGINT). A run written in place (checkpoints) is resumable; one built
+    aside was removed by its own cleanup, and a directory it would have replaced is as it was."""
+    # The run's asyncio tasks die with it; collected, each would be logged with a traceback as
+    # an exception never retrieved.
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL + 1)
+    if out is not None and (out / SCENARIO_FILE).is_file() and not (out / "summary.json").exists():
+        if any(out.glob("*/checkpoints/step-*")) or any(out.glob("seed-*/*/checkpoints/step-*")):
+            line = f"interrupted; its checkpoints are kept in {out}. Go on with: python -m harness.run --resume {out}"
+        else:
+            line = f"interrupted before its first checkpoint; {out} keeps its scenario. Start it again with: python -m harness.run --resume {out}"
+    else:
+        line = "interrupted; nothing was kept (the partial run directory was removed)"
+    err.print(line, highlight=False, soft_wrap=True)
+    return 130
+
+
+def _check_writable(out: Path) -> None:
+    """The run directory can be made where ``--out`` says, checked before anything runs: every
+    name in it fits the file system (its staging sibling adds a prefix and a suffix), and its
+    nearest existing ancestor is a directory this user may write in (root may, whatever the mode)."""
+    long = next((part for part in out.parts if len(os.fsencode(part)) > NAME_BYTES), None)
+    if long is not None:
+        raise ScenarioError(f"--out {out}: the name {long[:40]!r}... is longer than {NAME_BYTES} bytes; fix: use a shorter one")
+    at = out.absolute().parent
+    while not at.exists() and not at.is_symlink() and at != at.parent:
+        at = at.parent
+    if not at.is_dir():
+        raise ScenarioError(f"--out {out}: {at} is not a directory; fix: pass a path under a directory, not under a file")
+    if not os.access(at, os.W_OK | os.X_OK):
+        raise ScenarioError(f"--out {out}: {at} is not writable by this user; fix: pass a directory you can write in, "
+                            "or make it writable (chmod u+w)")
+
+
+def _run(args: argparse.Namespace, variants: list[Variant], out: Path, done: dict, console: Console, err: Console) -> int:
+    """Run a validated scenario (or resume one) into ``out``."""
     if isinstance(variants[0].scenario, EnvScenario):
         sc = variants[0].scenario
         in_place = bool(sc.checkpoint.every)
