@@ -36,7 +36,6 @@ from core.store.checkpoint import CheckpointError
 from core.model.config import ConfigError, with_changes
 from core.env.wiring import env_space
 from core.model.env_config import EnvScenario
-from core.model.owned import discard_owned, is_owned, make_owned, remove_owned, replaceable, stamp
 from harness import report
 from harness.console import (
     ModeProgress, comparison_table, faults_table, honesty_lines, implied_mfu_lines, published_table, seeds_table, target_table,
@@ -44,8 +43,10 @@ from harness.console import (
 from harness.gpu_sampler import NvmlSampler
 from harness.metrics import reward_curve
 from harness import env_run
-from harness.plots import RETURN_FIGURES, REWARD_FIGURES, reward_curves_png, reward_png, timeline_png
+from harness.plots import reward_curves_png, reward_png, timeline_png
 from harness.profiler import Profiler
+from harness import run_directory
+from harness.run_directory import RunDirectory, RunDirectoryError
 from harness.scenario import ScenarioError, Variant, load_resolved, load_variants
 from harness.sweep import has_sweep
 from harness.sweep import main as run_sweep
@@ -89,66 +90,72 @@ def main(argv: list[str] | None = None) -> int:
             variants, done = load_variants(args.scenario, args.overrides), {}
             out = args.out or Path("runs") / f"{variants[0].scenario.name}-{datetime.now():%Y%m%d-%H%M%S}"
             if isinstance(variants[0].scenario, EnvScenario):
-                _check_env_run(variants, out, args)
+                _check_env_run(variants, args)
             else:
-                _check_new_run(variants, out, args)
-    except (ScenarioError, CheckpointError) as exc:
+                _check_new_run(variants, args)
+        first = variants[0].scenario
+        env_kind = isinstance(first, EnvScenario)
+        # Written where it stays, to be resumed: a run with checkpoints (a ray LLM run's are its trainer's).
+        resumable = args.resume is not None or (bool(first.checkpoint.every) if env_kind else _resumable_run(first, args))
+        if args.resume is None:
+            out = run_directory.check(out, "run", "summary.json", in_place=resumable, resume_file=SCENARIO_FILE)
+            where = RunDirectory.claim(out, "run")
+        else:
+            where = RunDirectory.reopen(out, "run")
+    except (ScenarioError, CheckpointError, RunDirectoryError) as exc:
         err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
-
-    if isinstance(variants[0].scenario, EnvScenario):
-        sc = variants[0].scenario
-        in_place = bool(sc.checkpoint.every)
-        if in_place and args.resume is None:
-            _start_in_place(sc, out)
-        try:
-            summary = env_run.main(sc, out, console, plots=not args.no_plots, in_place=in_place, stop_at_version=args.stop_at_step)
-        except (PlacementError, ConfigError) as exc:  # what only the cluster (or env.id) can tell, before any actor starts
-            err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-            return 2
-        except RunStopped as exc:
-            console.print(f"{exc}; its checkpoints are in {out}. Go on with: python -m harness.run --resume {out}", highlight=False)
-            return 0
-        console.print(env_run.table(sc, summary))
-        figures = [] if args.no_plots or sc.runtime == "sim" else ["seed-<s>/<mode>/timeline.png", *(name for _, name, _ in RETURN_FIGURES)]
-        console.print(f"reports in {out}: summary.json, seed-<s>/<mode>/report.json" + "".join(f", {f}" for f in figures), highlight=False)
-        return 0
-
-    first = variants[0].scenario
-    in_place = args.resume is not None or _resumable_run(first, args)
-    if in_place:
-        if args.resume is None:
-            _start_in_place(first, out)
-        staging = out
-    else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        # Build the run directory aside and move it into place whole: no half-written runs.
-        staging = make_owned(out.parent, f".{out.name}.", "run")
+    if resumable and args.resume is None:
+        report.write_json(where.path / SCENARIO_FILE, first.model_dump(mode="json"))
     try:
-        env = report.environment()
-        summaries = {}
-        for v in variants:
-            where = staging / v.label if v.label else staging
-            where.mkdir(exist_ok=True)
-            summaries[v.label] = _run_variant(
-                v.scenario, v.label, where, env, console, plots=not args.no_plots, profile=args.profile,
-                done=done, stop_at_step=args.stop_at_step,
-            )
-        if variants[0].label is None:
-            summary = summaries[None]
+        if env_kind:
+            summary = env_run.main(first, where.path, console, plots=not args.no_plots, profile=args.profile,
+                                   stop_at_version=args.stop_at_step)
         else:
-            summary = report.variants_summary(first, {v.label: (summaries[v.label], v.published) for v in variants})
-        report.write_json(staging / "summary.json", summary)
-        if not in_place:
-            remove_owned(out, "run")
-            staging.rename(out)
+            summaries, summary = _run_variants(variants, where.path, console, args, done)
+        where.commit()
+    except (PlacementError, ConfigError) as exc:  # what only the cluster (or env.id) can tell, before any actor starts
+        where.abandon(keep=False)
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return 2
     except RunStopped as exc:
+        where.release()
         console.print(f"{exc}; its checkpoints are in {out}. Go on with: python -m harness.run --resume {out}", highlight=False)
         return 0
     except BaseException:
-        if not in_place:
-            discard_owned(staging, "run")
+        where.abandon(keep=resumable)
         raise
+    if env_kind:
+        console.print(env_run.table(first, summary))
+    else:
+        _print_tables(variants, summaries, summary, console)
+    labels = tuple(v.label for v in variants if v.label)
+    console.print(f"reports in {out}: {', '.join(run_directory.listing(out, first.modes, labels))}", highlight=False)
+    return 0
+
+
+def _run_variants(variants: list[Variant], path: Path, console: Console, args, done: dict) -> tuple[dict, dict]:
+    """Every variant of an LLM scenario file into ``path``, then the run's summary: (each
+    variant's summary, the run's)."""
+    first = variants[0].scenario
+    env = report.environment()
+    summaries = {}
+    for v in variants:
+        where = path / v.label if v.label else path
+        where.mkdir(exist_ok=True)
+        summaries[v.label] = _run_variant(
+            v.scenario, v.label, where, env, console, plots=not args.no_plots, profile=args.profile,
+            done=done, stop_at_step=args.stop_at_step,
+        )
+    if variants[0].label is None:
+        summary = summaries[None]
+    else:
+        summary = report.variants_summary(first, {v.label: (summaries[v.label], v.published) for v in variants})
+    report.write_json(path / "summary.json", summary)  # last: it marks the run finished
+    return summaries, summary
+
+
+def _print_tables(variants: list[Variant], summaries: dict, summary: dict, console: Console) -> None:
     for v in variants:
         title = f"{v.scenario.name} {v.label}" if v.label else v.scenario.name
         console.print(comparison_table(title, summaries[v.label]))
@@ -161,46 +168,21 @@ def main(argv: list[str] | None = None) -> int:
             if table is not None:
                 console.print(table)
     if any(v.published for v in variants):
-        console.print(published_table(first.name, summary))
-    several = any(len(v.scenario.run_seeds) > 1 for v in variants)
-    runs = "seed-<s>/<mode>" if several else "<mode>"
-    files = ["summary.json", f"{runs}/report.json", f"{runs}/timeline.png"]
-    if first.runtime != "sim":
-        files.append(f"{runs}/reward.png")
-        if not args.no_plots:
-            files += [name for _, name, _ in REWARD_FIGURES]
-    if args.profile:
-        files.append(f"{runs}/profile/*.svg")
-    console.print(f"reports in {out}: {', '.join(files)}", highlight=False)
-    return 0
+        console.print(published_table(variants[0].scenario.name, summary))
 
 
-def _start_in_place(sc, out: Path) -> None:
-    """A run that may stop and resume is written where it stays, its resolved scenario first."""
-    remove_owned(out, "run")
-    out.mkdir(parents=True)
-    stamp(out, "run")
-    report.write_json(out / SCENARIO_FILE, sc.model_dump(mode="json"))
-
-
-def _check_env_run(variants: list[Variant], out: Path, args) -> None:
+def _check_env_run(variants: list[Variant], args) -> None:
     """An env scenario: one scenario per file; ``--stop-at-step`` counts learner versions and
-    needs checkpoints; no profiles yet (issue 14)."""
+    needs checkpoints."""
     sc = variants[0].scenario
     if len(variants) > 1 or variants[0].label is not None:
         raise ScenarioError(f"{args.scenario}: an env scenario with variants is not supported yet; fix: one scenario per file")
-    if args.profile:
-        raise ScenarioError("--profile: not supported for an env scenario yet; fix: drop --profile")
     if args.stop_at_step is not None:
         if not sc.checkpoint.every:
             raise ScenarioError(f"--stop-at-step {args.stop_at_step}: the run keeps no checkpoints to resume from; "
                                 "fix: --set checkpoint.every=10")
         if args.stop_at_step < 1:
             raise ScenarioError(f"--stop-at-step {args.stop_at_step}: counts learner versions, from 1; fix: pick 1 or more")
-    if not replaceable(out, "run", "summary.json"):
-        if is_owned(out, "run") and (out / SCENARIO_FILE).is_file():
-            raise ScenarioError(f"--out {out}: holds a run that has not finished; fix: --resume {out}, or pass a new directory")
-        raise ScenarioError(f"--out {out}: exists and is not a run directory asyncrl created; fix: pass a new directory")
     if sc.runtime == "sim" and sc.sim.row_bytes is not None and sc.sim.param_bytes is not None:
         return  # env.id is then a label: the sim never makes the environment
     try:
@@ -219,13 +201,8 @@ def _resumable_run(sc, args) -> bool:
     return (bool(sc.checkpoint.every) and sc.runtime != "ray") or args.stop_at_step is not None
 
 
-def _check_new_run(variants: list[Variant], out: Path, args) -> None:
+def _check_new_run(variants: list[Variant], args) -> None:
     sc = variants[0].scenario
-    if not replaceable(out, "run", "summary.json"):
-        # Only a finished run directory asyncrl created and stamped is ever replaced; anything else is the user's.
-        if is_owned(out, "run") and (out / SCENARIO_FILE).is_file():
-            raise ScenarioError(f"--out {out}: holds a run that has not finished; fix: --resume {out}, or pass a new directory")
-        raise ScenarioError(f"--out {out}: exists and is not a run directory asyncrl created; fix: pass a new directory")
     if _resumable_run(sc, args):
         if len(variants) > 1 or variants[0].label is not None:
             raise ScenarioError(f"{args.scenario}: a file of variants is not checkpointed; fix: run one variant's settings as its own scenario")
@@ -339,12 +316,13 @@ def _run_modes(
             progress.start(f"{label}/{mode}" if label else mode)
             (where / mode).mkdir(exist_ok=True)
             profiler = Profiler(where / mode / "profile") if profile else None
-            on_processes = _with_driver(profiler) if profiler else None
+            if profiler:
+                profiler.attach([("driver", os.getpid())])  # the sim runtime does all its work here
             resume = (where / mode / "checkpoints").is_dir()
             try:
                 with NvmlSampler() as gpu:
                     result = run_mode(
-                        sc, mode, on_step=progress.on_step, on_processes=on_processes, run_dir=where,
+                        sc, mode, on_step=progress.on_step, on_processes=profiler.attach if profiler else None, run_dir=where,
                         resume=resume, stop_at_step=stop_at_step,
                     )
             finally:
@@ -366,17 +344,6 @@ def _run_modes(
     if plots and curves:
         reward_curves_png(curves, sc.target_reward, _reward_title(sc, label), where)
     return report.summary(sc, reports), reports
-
-
-def _with_driver(profiler: "Profiler"):
-    """The driver is recorded too, whichever processes the runtime reports."""
-
-    def attach(processes: list[tuple[str, int]]) -> None:
-        if not any(name == "driver" for name, _ in processes):
-            processes = [("driver", os.getpid())] + processes
-        profiler.attach(processes)
-
-    return attach
 
 
 if __name__ == "__main__":

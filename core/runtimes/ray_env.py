@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import ray
@@ -49,7 +50,7 @@ from core.env.wiring import EVAL_SEED, JOURNAL_KIND, beta_at, learner_threads, m
 from core.model.env_config import EnvScenario
 from core.model.faults import FaultLog
 from core.model.timeline import GENERATE, SEND, SYNC, TRAIN, Timeline
-from core.model.owned import discard_owned, keep_owned, make_owned, remove_owned
+from core.model.owned import discard_owned, keep_owned, make_owned, remove_owned, remove_stale
 from core.pipeline.param_sync import ParamSync
 from core.pipeline.staleness_queue import QueueClosed
 from core.runtimes.object_store_transfer import ObjectStoreTransfer
@@ -444,9 +445,15 @@ def evaluate_weights(sc: EnvScenario, seed: int, weights: dict[str, np.ndarray],
 _evaluate = ray.remote(num_cpus=0)(evaluate_weights)
 
 
+def _actor_pid(_actor) -> int:
+    """Run inside an actor (``__ray_call__``): its process."""
+    return os.getpid()
+
+
 def run_async(
     sc: EnvScenario, seed: int, *, stop_at_target: bool = True, eval_tasks: int = 2, poll_s: float = 0.2,
     workdir: Optional[Path] = None, stop_at_version: Optional[int] = None,
+    on_processes: Optional[Callable[[list[tuple[str, int]]], None]] = None,
 ) -> EnvCurve:
     """One async run on the Ray instance this process is connected to.
 
@@ -455,7 +462,8 @@ def run_async(
     that finds a checkpoint there goes on from it (``--resume``). Otherwise a journaled store
     or a checkpointed learner uses a directory asyncrl creates and removes (under ``workdir``,
     or the system's temporary directory). ``stop_at_version``: stop once the learner has
-    checkpointed that version, as a crash would (``RunStopped``)."""
+    checkpointed that version, as a crash would (``RunStopped``). ``on_processes([(name, pid)])``
+    is told the actors' processes once they exist (for a profiler)."""
     e = sc.env
     check_fits(sc)
     keep = workdir is not None and bool(sc.checkpoint.every)
@@ -463,7 +471,9 @@ def run_async(
 
     def place(name: str, kind: str) -> Path:
         if not keep:
-            d = make_owned(Path(workdir or tempfile.gettempdir()), f".asyncrl-{name}-", kind)
+            root = Path(workdir or tempfile.gettempdir())
+            remove_stale(root, (kind,))  # what killed runs left there
+            d = make_owned(root, f".asyncrl-{name}-", kind)
             scratch.append((d, kind))
             return d
         return keep_owned(Path(workdir) / name, kind)
@@ -496,6 +506,9 @@ def run_async(
         max_restarts=sc.ray.max_restarts if learner_dir is not None else 0,
     ).remote(sc, seed, str(learner_dir) if learner_dir is not None else None, stop_at_version)
     actors = [store, learner, *samplers]
+    if on_processes is not None:
+        pids = ray.get([a.__ray_call__.remote(_actor_pid) for a in actors])
+        on_processes(list(zip(["replay" if sc.learner == "dqn" else "queue", "learner", *(f"sampler-{i}" for i in range(len(samplers)))], pids)))
     d = resumed or DriverState()
     curve = EnvCurve(env_steps=d.eval_env_steps, wall_s=d.eval_wall_s, eval_return=d.eval_return,
                      evaluations_lost=d.evaluations_lost)
