@@ -16,18 +16,23 @@ import os
 from pathlib import Path
 from typing import Optional
 
+import gymnasium as gym
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 from core.env.sync_loop import EnvCurve, run_sync
+from core.env.wiring import env_space
 from core.model.env_config import EnvScenario
 from core.runtimes.ray import cluster
-from core.runtimes.ray_env import check_fits, run_async
+from core.runtimes.ray_env import PlacementError, check_fits, check_resume, run_async
 from core.runtimes.sim_env import run_env_sim
 from harness import report
 from harness.profiler import Profiler
+from harness.scenario import ScenarioError, Variant
 from harness.plots import RETURN_FIGURES, env_timeline_png, env_window, reward_curves_png
+
+__all__ = ["check_new", "check_resume", "main", "metrics", "run_one", "table"]  # check_resume: the store's, for harness.run
 
 SCHEMA = "asyncrl.env-report/1"
 # Figures reported per run and, over seeds, with their spread.
@@ -86,6 +91,30 @@ def metrics(sc: EnvScenario, curve: EnvCurve) -> dict:
     }
 
 
+def check_new(variants: list[Variant], args) -> None:
+    """An env scenario: one scenario per file; ``--stop-at-step`` counts learner versions and
+    needs checkpoints."""
+    sc = variants[0].scenario
+    if len(variants) > 1 or variants[0].label is not None:
+        raise ScenarioError(f"{args.scenario}: an env scenario with variants is not supported yet; fix: one scenario per file")
+    if args.stop_at_step is not None:
+        if not sc.checkpoint.every:
+            raise ScenarioError(f"--stop-at-step {args.stop_at_step}: the run keeps no checkpoints to resume from; "
+                                "fix: --set checkpoint.every=10")
+        if args.stop_at_step < 1:
+            raise ScenarioError(f"--stop-at-step {args.stop_at_step}: counts learner versions, from 1; fix: pick 1 or more")
+    if sc.runtime == "sim" and sc.sim.row_bytes is not None and sc.sim.param_bytes is not None:
+        return  # env.id is then a label: the sim never makes the environment
+    try:
+        env_space(sc)  # the environment is made once here, so a bad id is refused before anything runs
+    except ValueError as exc:  # one the wiring refused, with its fix
+        raise ScenarioError(str(exc)) from None
+    except (gym.error.Error, ImportError) as exc:
+        reason = " ".join(str(exc).split())
+        raise ScenarioError(f"env.id = {sc.env.id!r}: {reason}; fix: a gymnasium id with a vector observation, e.g. "
+                            "CartPole-v1 (MuJoCo ids such as HalfCheetah-v5 need: pip install -e '.[mujoco]')") from None
+
+
 def run_one(sc: EnvScenario, mode: str, seed: int, workdir: Path, stop_at_version: Optional[int] = None,
             profile: bool = False) -> EnvCurve:
     """One run; ``workdir`` is its own directory (its checkpoints, with ``checkpoint.every``;
@@ -116,7 +145,10 @@ def main(sc: EnvScenario, out: Path, console: Console, plots: bool, *, profile: 
     needs_ray = "async" in sc.modes and sc.runtime == "ray"
     with cluster(sc.ray.address, sc.ray.num_cpus) if needs_ray else contextlib.nullcontext():
         if needs_ray:
-            check_fits(sc)  # before any mode runs
+            try:
+                check_fits(sc)  # before any mode runs
+            except PlacementError as exc:
+                raise ScenarioError(str(exc)) from None
         for seed in sc.run_seeds():
             for mode in sc.modes:
                 where = out / f"seed-{seed}" / mode

