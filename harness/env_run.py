@@ -3,9 +3,11 @@ one report per run, a summary over seeds, and the evaluation return of every mod
 
 Written into a run directory asyncrl creates and stamps (the same rules as an LLM run's):
 ``DIR/seed-<s>/<mode>/report.json``, ``DIR/summary.json``, ``DIR/return_vs_time.png`` and
-``DIR/return_vs_env_steps.png``. With checkpoints (``checkpoint.every``) the directory is
-written in place: each run keeps its checkpoints in ``DIR/seed-<s>/<mode>/`` while it goes, a
-run that stopped goes on from them (``--resume``), and runs already reported are kept.
+``DIR/return_vs_env_steps.png``; while each run goes, its ``metrics.jsonl`` (and the loggers'
+files, harness/live_metrics.py), and after it its spans as ``trace.json`` (harness/trace.py).
+With checkpoints (``checkpoint.every``) the directory is written in place: each run keeps its
+checkpoints in ``DIR/seed-<s>/<mode>/`` while it goes, a run that stopped goes on from them
+(``--resume``), and runs already reported are kept.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ from rich.table import Table
 from core.env.sync_loop import EnvCurve, run_sync
 from core.model.env_config import EnvScenario
 from core.model.owned import discard_owned, make_owned, remove_owned
+from core.model.progress import ProgressFn
 from core.runtimes.ray import cluster
 from core.runtimes.ray_env import check_fits, run_async
 from core.runtimes.sim_env import run_env_sim
 from harness import report
+from harness.live_metrics import MetricsStream
 from harness.plots import RETURN_FIGURES, env_timeline_png, env_window, reward_curves_png
+from harness.trace import env_trace, write_trace
 
 SCHEMA = "asyncrl.env-report/1"
 # Figures reported per run and, over seeds, with their spread.
@@ -85,13 +90,15 @@ def metrics(sc: EnvScenario, curve: EnvCurve) -> dict:
     }
 
 
-def run_one(sc: EnvScenario, mode: str, seed: int, workdir: Path, stop_at_version: Optional[int] = None) -> EnvCurve:
-    """One run; ``workdir`` is its own directory (its checkpoints, with ``checkpoint.every``)."""
+def run_one(sc: EnvScenario, mode: str, seed: int, workdir: Path, stop_at_version: Optional[int] = None,
+            on_progress: Optional[ProgressFn] = None) -> EnvCurve:
+    """One run; ``workdir`` is its own directory (its checkpoints, with ``checkpoint.every``);
+    ``on_progress`` is told each version published and each evaluation."""
     if sc.runtime == "sim":
-        return run_env_sim(sc, mode, seed)
+        return run_env_sim(sc, mode, seed, on_progress)
     if mode == "sync":
-        return asyncio.run(run_sync(sc, seed, run_dir=workdir, stop_at_version=stop_at_version))
-    return run_async(sc, seed, workdir=workdir, stop_at_version=stop_at_version)
+        return asyncio.run(run_sync(sc, seed, run_dir=workdir, stop_at_version=stop_at_version, on_progress=on_progress))
+    return run_async(sc, seed, workdir=workdir, stop_at_version=stop_at_version, on_progress=on_progress)
 
 
 def main(sc: EnvScenario, out: Path, console: Console, plots: bool, *, in_place: bool = False,
@@ -123,8 +130,11 @@ def main(sc: EnvScenario, out: Path, console: Console, plots: bool, *, in_place:
                         curves[mode].append({"time_s": ser["eval_time_s"], "env_steps": ser["eval_env_steps"],
                                              "reward": ser["eval_return"]})
                         continue
+                    resume = (where / "checkpoints").is_dir()
                     where.mkdir(parents=True, exist_ok=True)
-                    curve = run_one(sc, mode, seed, where, stop_at_version)
+                    with MetricsStream(where, sc.report.loggers, root=staging, name=f"{sc.name}/seed-{seed}/{mode}", group=sc.name,
+                                       mode=mode, config=sc.model_dump(mode="json"), resume=resume) as stream:
+                        curve = run_one(sc, mode, seed, where, stop_at_version, stream.record)
                     m = metrics(sc, curve)
                     got = (f"reached {sc.env.target_return:g} after {m['time_to_target_s']:.1f} s, {m['env_steps_to_target']:,} env steps"
                            if m["reached_target"] else f"did not reach {sc.env.target_return:g}")
@@ -144,6 +154,8 @@ def main(sc: EnvScenario, out: Path, console: Console, plots: bool, *, in_place:
                         "timeline": {"window_s": [lo, hi], "spans": {
                             name: [sp for sp in spans if sp[2] > lo and sp[1] < hi] for name, spans in curve.spans.items()}},
                     })
+                    if curve.spans:  # the sim's none
+                        write_trace(where / "trace.json", env_trace(curve.spans, sc.name, mode, seed))
                     if plots and curve.spans:
                         env_timeline_png(curve.spans, (lo, hi), f"{sc.name} / {mode}, seed {seed}", where / "timeline.png")
         summary = {

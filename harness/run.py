@@ -2,8 +2,10 @@
 ``python -m harness.run --resume RUN_DIR``
 
 Validates the scenario before anything runs, runs every mode it lists on the same
-workload and seed, and writes ``DIR/<mode>/report.json``, ``DIR/<mode>/timeline.png``
-and ``DIR/summary.json`` (with rewards, ``DIR/reward_vs_time.png`` and
+workload and seed, and writes ``DIR/<mode>/report.json``, ``DIR/<mode>/timeline.png``,
+``DIR/<mode>/trace.json`` (every worker's spans, for Perfetto), ``DIR/<mode>/metrics.jsonl``
+(and TensorBoard's event files, or W&B's or MLflow's, per ``report.loggers``) while each mode
+runs, and ``DIR/summary.json`` (with rewards, ``DIR/reward_vs_time.png`` and
 ``DIR/reward_vs_samples.png`` too). With several ``seeds`` every mode runs once per seed, in
 ``DIR/seed-<s>/``, and ``DIR/summary.json`` holds each figure over the seeds. With
 checkpoints on (``checkpoint.every``), the run directory is written in place and a run that
@@ -42,6 +44,7 @@ from harness.console import (
     ModeProgress, comparison_table, faults_table, honesty_lines, implied_mfu_lines, published_table, seeds_table, target_table,
 )
 from harness.gpu_sampler import NvmlSampler
+from harness.live_metrics import MetricsStream, check_loggers
 from harness.metrics import reward_curve
 from harness import env_run
 from harness.plots import RETURN_FIGURES, REWARD_FIGURES, reward_curves_png, reward_png, timeline_png
@@ -50,6 +53,7 @@ from harness.scenario import ScenarioError, Variant, load_resolved, load_variant
 from harness.sweep import has_sweep
 from harness.sweep import main as run_sweep
 from harness.spans import calibration_spans
+from harness.trace import llm_trace, write_trace
 
 SCENARIO_FILE = "scenario.json"  # the resolved scenario of a run written in place (resumable)
 
@@ -92,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                 _check_env_run(variants, out, args)
             else:
                 _check_new_run(variants, out, args)
+        for v in variants:
+            check_loggers(v.scenario.report.loggers)
     except (ScenarioError, CheckpointError) as exc:
         err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
@@ -111,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         console.print(env_run.table(sc, summary))
         figures = [] if args.no_plots or sc.runtime == "sim" else ["seed-<s>/<mode>/timeline.png", *(name for _, name, _ in RETURN_FIGURES)]
+        figures.append("seed-<s>/<mode>/metrics.jsonl")
+        if sc.runtime != "sim":  # the env sim keeps no spans
+            figures.append("seed-<s>/<mode>/trace.json")
         console.print(f"reports in {out}: summary.json, seed-<s>/<mode>/report.json" + "".join(f", {f}" for f in figures), highlight=False)
         return 0
 
@@ -132,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             where.mkdir(exist_ok=True)
             summaries[v.label] = _run_variant(
                 v.scenario, v.label, where, env, console, plots=not args.no_plots, profile=args.profile,
-                done=done, stop_at_step=args.stop_at_step,
+                done=done, stop_at_step=args.stop_at_step, root=staging,
             )
         if variants[0].label is None:
             summary = summaries[None]
@@ -164,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         console.print(published_table(first.name, summary))
     several = any(len(v.scenario.run_seeds) > 1 for v in variants)
     runs = "seed-<s>/<mode>" if several else "<mode>"
-    files = ["summary.json", f"{runs}/report.json", f"{runs}/timeline.png"]
+    files = ["summary.json", f"{runs}/report.json", f"{runs}/timeline.png", f"{runs}/metrics.jsonl", f"{runs}/trace.json"]
+    if "tensorboard" in first.report.loggers:
+        files.append(f"{runs}/events.out.tfevents.*")
     if first.runtime != "sim":
         files.append(f"{runs}/reward.png")
         if not args.no_plots:
@@ -328,9 +339,10 @@ def _reward_title(sc, label, seeds: tuple[int, ...] | None = None) -> str:
 
 def _run_modes(
     sc, label, where: Path, env: dict, console: Console, plots: bool, profile: bool,
-    done: dict | None = None, stop_at_step: int | None = None,
+    done: dict | None = None, stop_at_step: int | None = None, root: Path | None = None,
 ) -> tuple[dict, dict]:
-    """Every mode of ``sc`` in ``where``: (the summary, each mode's report)."""
+    """Every mode of ``sc`` in ``where`` (within the run directory ``root``, ``where`` if None):
+    (the summary, each mode's report). Each mode's figures stream as it runs (harness/live_metrics.py)."""
     reports = dict(done or {})
     with ModeProgress(console, sc.trainer.steps) as progress:
         for mode in sc.modes:
@@ -341,10 +353,19 @@ def _run_modes(
             profiler = Profiler(where / mode / "profile") if profile else None
             on_processes = _with_driver(profiler) if profiler else None
             resume = (where / mode / "checkpoints").is_dir()
+            name = "/".join(p for p in (sc.name, label, mode) if p)
             try:
-                with NvmlSampler() as gpu:
+                with NvmlSampler() as gpu, MetricsStream(
+                    where / mode, sc.report.loggers, root=root or where, name=name, group=sc.name, mode=mode,
+                    config=sc.model_dump(mode="json"), resume=resume,
+                ) as stream:
+
+                    def told(event) -> None:
+                        progress.on_step(event)
+                        stream.record(event)
+
                     result = run_mode(
-                        sc, mode, on_step=progress.on_step, on_processes=on_processes, run_dir=where,
+                        sc, mode, on_step=told, on_processes=on_processes, run_dir=where,
                         resume=resume, stop_at_step=stop_at_step,
                     )
             finally:
@@ -354,6 +375,7 @@ def _run_modes(
             rep = report.build(sc, result, env, gpu.summary())
             reports[mode] = rep
             report.write_json(where / mode / "report.json", rep)
+            write_trace(where / mode / "trace.json", llm_trace(result))
             spans = calibration_spans(result)
             if spans is not None:  # a real run: what harness.calibrate fits
                 report.write_json(where / mode / "spans.json", spans)
