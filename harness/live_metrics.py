@@ -192,8 +192,7 @@ class MetricsStream:
     def __init__(self, where: Path, loggers: tuple[str, ...], *, root: Path, name: str, group: str, mode: str,
                  config: dict, resume: bool = False) -> None:
         self.path = where / METRICS_FILE
-        kept = self.path.read_text().splitlines() if resume and self.path.is_file() else []
-        self.earlier: Optional[list[dict]] = [json.loads(s) for s in kept if s.strip()] if resume else None
+        self.earlier: Optional[list[dict]] = _read_lines(self.path) if resume else None
         if resume:
             for old in where.glob(TENSORBOARD_FILES):  # written anew from the history kept
                 old.unlink()
@@ -254,6 +253,17 @@ class MetricsStream:
         for sink in self.sinks:
             sink.close(failed)
         self.sinks = []
+
+
+def _read_lines(path: Path) -> list[dict]:
+    """The lines a stopped run wrote, up to one a kill cut short."""
+    rows = []
+    for text in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(text))
+        except json.JSONDecodeError:
+            break
+    return rows
 
 
 def _position(line: dict) -> tuple:

@@ -163,12 +163,15 @@ def test_trace_json_is_a_chrome_trace_with_a_named_track_per_worker(quick_run, m
 
 
 def test_a_resumed_run_streams_what_the_run_that_never_stopped_streams(tmp_path):
-    """Stopped after step 6 (its checkpoint is at the sync after step 4) and resumed: metrics.jsonl
-    is cut back to the checkpoint and goes on, and TensorBoard's files hold each step once."""
+    """Stopped after step 6 (its checkpoint is at the sync after step 4; its last line cut short)
+    and resumed: metrics.jsonl is cut back to the checkpoint and goes on, and TensorBoard's files
+    hold each step once."""
     small = sets("trainer.steps=12", "checkpoint.every=1", "modes=[async]")
     stopped, whole = tmp_path / "stopped", tmp_path / "whole"
     assert main([QUICK, "--out", str(stopped), "--no-plots", "--stop-at-step", "6", *small]) == 0
     assert [r["step"] for r in steps_of(lines(stopped / "async" / METRICS_FILE))] == [1, 2, 3, 4, 5, 6]
+    with (stopped / "async" / METRICS_FILE).open("a") as f:
+        f.write('{"event": "step", "st')  # a line a kill cut short
     assert main(["--resume", str(stopped), "--no-plots"]) == 0
     assert main([QUICK, "--out", str(whole), "--no-plots", *small]) == 0
     a, b = (lines(d / "async" / METRICS_FILE) for d in (stopped, whole))
