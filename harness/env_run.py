@@ -3,9 +3,11 @@ one report per run, a summary over seeds, and the evaluation return of every mod
 
 Written into a run directory asyncrl creates and stamps (the same rules as an LLM run's):
 ``DIR/seed-<s>/<mode>/report.json``, ``DIR/summary.json``, ``DIR/return_vs_time.png`` and
-``DIR/return_vs_env_steps.png``. With checkpoints (``checkpoint.every``) the directory is
-written in place: each run keeps its checkpoints in ``DIR/seed-<s>/<mode>/`` while it goes, a
-run that stopped goes on from them (``--resume``), and runs already reported are kept.
+``DIR/return_vs_env_steps.png``; while each run goes, its ``metrics.jsonl`` (and the loggers'
+files, harness/live_metrics.py), and after it its spans as ``trace.json`` (harness/trace.py).
+With checkpoints (``checkpoint.every``) the directory is written in place: each run keeps its
+checkpoints in ``DIR/seed-<s>/<mode>/`` while it goes, a run that stopped goes on from them
+(``--resume``), and runs already reported are kept.
 """
 
 from __future__ import annotations
@@ -24,13 +26,16 @@ from rich.table import Table
 from core.env.sync_loop import EnvCurve, run_sync
 from core.env.wiring import env_space
 from core.model.env_config import EnvScenario
+from core.model.progress import ProgressFn
 from core.runtimes.ray import cluster
 from core.runtimes.ray_env import PlacementError, check_fits, check_resume, run_async
 from core.runtimes.sim_env import run_env_sim
 from harness import report
+from harness.live_metrics import MetricsStream
 from harness.profiler import Profiler
 from harness.scenario import ScenarioError, Variant
 from harness.plots import RETURN_FIGURES, env_timeline_png, env_window, reward_curves_png
+from harness.trace import env_trace, write_trace
 
 __all__ = ["check_new", "check_resume", "main", "metrics", "run_one", "table"]  # check_resume: the store's, for harness.run
 
@@ -116,18 +121,19 @@ def check_new(variants: list[Variant], args) -> None:
 
 
 def run_one(sc: EnvScenario, mode: str, seed: int, workdir: Path, stop_at_version: Optional[int] = None,
-            profile: bool = False) -> EnvCurve:
+            on_progress: Optional[ProgressFn] = None, profile: bool = False) -> EnvCurve:
     """One run; ``workdir`` is its own directory (its checkpoints, with ``checkpoint.every``;
-    with ``profile``, py-spy's flame graphs of the driver and every actor in ``profile/``)."""
+    with ``profile``, py-spy's flame graphs of the driver and every actor in ``profile/``);
+    ``on_progress`` is told each version published and each evaluation."""
     profiler = Profiler(workdir / "profile") if profile else None
     if profiler:
         profiler.attach([("driver", os.getpid())])  # sync and sim runs do all their work here
     try:
         if sc.runtime == "sim":
-            return run_env_sim(sc, mode, seed)
+            return run_env_sim(sc, mode, seed, on_progress)
         if mode == "sync":
-            return asyncio.run(run_sync(sc, seed, run_dir=workdir, stop_at_version=stop_at_version))
-        return run_async(sc, seed, workdir=workdir, stop_at_version=stop_at_version,
+            return asyncio.run(run_sync(sc, seed, run_dir=workdir, stop_at_version=stop_at_version, on_progress=on_progress))
+        return run_async(sc, seed, workdir=workdir, stop_at_version=stop_at_version, on_progress=on_progress,
                          on_processes=profiler.attach if profiler else None)
     finally:
         if profiler:
@@ -159,8 +165,11 @@ def main(sc: EnvScenario, out: Path, console: Console, plots: bool, *, profile: 
                     curves[mode].append({"time_s": ser["eval_time_s"], "env_steps": ser["eval_env_steps"],
                                          "reward": ser["eval_return"]})
                     continue
+                resume = (where / "checkpoints").is_dir()
                 where.mkdir(parents=True, exist_ok=True)
-                curve = run_one(sc, mode, seed, where, stop_at_version, profile)
+                with MetricsStream(where, sc.report.loggers, root=out, name=f"{sc.name}/seed-{seed}/{mode}", group=sc.name,
+                                   mode=mode, config=sc.model_dump(mode="json"), resume=resume) as stream:
+                    curve = run_one(sc, mode, seed, where, stop_at_version, stream.record, profile)
                 m = metrics(sc, curve)
                 got = (f"reached {sc.env.target_return:g} after {m['time_to_target_s']:.1f} s, {m['env_steps_to_target']:,} env steps"
                        if m["reached_target"] else f"did not reach {sc.env.target_return:g}")
@@ -180,6 +189,8 @@ def main(sc: EnvScenario, out: Path, console: Console, plots: bool, *, profile: 
                     "timeline": {"window_s": [lo, hi], "spans": {
                         name: [sp for sp in spans if sp[2] > lo and sp[1] < hi] for name, spans in curve.spans.items()}},
                 })
+                if curve.spans:  # the sim's none
+                    write_trace(where / "trace.json", env_trace(curve.spans, sc.name, mode, seed))
                 if plots and curve.spans:
                     env_timeline_png(curve.spans, (lo, hi), f"{sc.name} / {mode}, seed {seed}", where / "timeline.png")
     summary = {

@@ -2,8 +2,10 @@
 ``python -m harness.run --resume RUN_DIR``
 
 Validates the scenario before anything runs, runs every mode it lists on the same
-workload and seed, and writes ``DIR/<mode>/report.json``, ``DIR/<mode>/timeline.png``
-and ``DIR/summary.json`` (with rewards, ``DIR/reward_vs_time.png`` and
+workload and seed, and writes ``DIR/<mode>/report.json``, ``DIR/<mode>/timeline.png``,
+``DIR/<mode>/trace.json`` (every worker's spans, for Perfetto), ``DIR/<mode>/metrics.jsonl``
+(and TensorBoard's event files, or W&B's or MLflow's, per ``report.loggers``) while each mode
+runs, and ``DIR/summary.json`` (with rewards, ``DIR/reward_vs_time.png`` and
 ``DIR/reward_vs_samples.png`` too). With several ``seeds`` every mode runs once per seed, in
 ``DIR/seed-<s>/``, and ``DIR/summary.json`` holds each figure over the seeds. With
 checkpoints on (``checkpoint.every``), the run directory is written in place and a run that
@@ -39,6 +41,7 @@ from harness.console import (
     ModeProgress, comparison_table, faults_table, honesty_lines, implied_mfu_lines, published_table, seeds_table, target_table,
 )
 from harness.gpu_sampler import NvmlSampler
+from harness.live_metrics import MetricsStream, check_loggers
 from harness.metrics import reward_curve
 from harness.plots import reward_curves_png, reward_png, timeline_png
 from harness.profiler import Profiler
@@ -48,6 +51,7 @@ from harness.scenario import ScenarioError, Variant, load_resolved, load_variant
 from harness.sweep import has_sweep
 from harness.sweep import main as run_sweep
 from harness.spans import calibration_spans
+from harness.trace import llm_trace, write_trace
 
 SCENARIO_FILE = "scenario.json"  # the resolved scenario of a run written in place (resumable)
 
@@ -91,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                 _env_harness().check_new(variants, args)
             else:
                 _check_new_run(variants, args)
+        for v in variants:
+            check_loggers(v.scenario.report.loggers)
         first = variants[0].scenario
         env_kind = isinstance(first, EnvScenario)
         # Written where it stays, to be resumed: a run with checkpoints (a ray LLM run's are its trainer's).
@@ -143,7 +149,7 @@ def _run_variants(variants: list[Variant], path: Path, console: Console, args, d
         where.mkdir(exist_ok=True)
         summaries[v.label] = _run_variant(
             v.scenario, v.label, where, env, console, plots=not args.no_plots, profile=args.profile,
-            done=done, stop_at_step=args.stop_at_step,
+            done=done, stop_at_step=args.stop_at_step, root=path,
         )
     if variants[0].label is None:
         summary = summaries[None]
@@ -319,9 +325,10 @@ def _reward_title(sc, label, seeds: tuple[int, ...] | None = None) -> str:
 
 def _run_modes(
     sc, label, where: Path, env: dict, console: Console, plots: bool, profile: bool,
-    done: dict | None = None, stop_at_step: int | None = None,
+    done: dict | None = None, stop_at_step: int | None = None, root: Path | None = None,
 ) -> tuple[dict, dict]:
-    """Every mode of ``sc`` in ``where``: (the summary, each mode's report)."""
+    """Every mode of ``sc`` in ``where`` (within the run directory ``root``, ``where`` if None):
+    (the summary, each mode's report). Each mode's figures stream as it runs (harness/live_metrics.py)."""
     reports = dict(done or {})
     with ModeProgress(console, sc.trainer.steps) as progress:
         for mode in sc.modes:
@@ -333,10 +340,19 @@ def _run_modes(
             if profiler:
                 profiler.attach([("driver", os.getpid())])  # the sim runtime does all its work here
             resume = (where / mode / "checkpoints").is_dir()
+            name = "/".join(p for p in (sc.name, label, mode) if p)
             try:
-                with NvmlSampler() as gpu:
+                with NvmlSampler() as gpu, MetricsStream(
+                    where / mode, sc.report.loggers, root=root or where, name=name, group=sc.name, mode=mode,
+                    config=sc.model_dump(mode="json"), resume=resume,
+                ) as stream:
+
+                    def told(event) -> None:
+                        progress.on_step(event)
+                        stream.record(event)
+
                     result = run_mode(
-                        sc, mode, on_step=progress.on_step, on_processes=profiler.attach if profiler else None, run_dir=where,
+                        sc, mode, on_step=told, on_processes=profiler.attach if profiler else None, run_dir=where,
                         resume=resume, stop_at_step=stop_at_step,
                     )
             finally:
@@ -346,6 +362,7 @@ def _run_modes(
             rep = report.build(sc, result, env, gpu.summary())
             reports[mode] = rep
             report.write_json(where / mode / "report.json", rep)
+            write_trace(where / mode / "trace.json", llm_trace(result))
             spans = calibration_spans(result)
             if spans is not None:  # a real run: what harness.calibrate fits
                 report.write_json(where / mode / "spans.json", spans)

@@ -169,7 +169,8 @@ def test_the_closing_line_names_exactly_the_files_written(tmp_path, capsys):
     run = tmp_path / "run"
     assert main([QUICK, "--out", str(run), "--no-plots", *sets(*SMALL, "modes=[sync,async]")]) == 0
     line = closing_line(capsys)
-    assert line == f"reports in {run}: <mode>/report.json, summary.json"
+    assert line == (f"reports in {run}: <mode>/events.out.tfevents.*, <mode>/metrics.jsonl, <mode>/report.json, "
+                    "<mode>/trace.json, summary.json")
     assert not list(run.glob("*/*.png"))
     several = tmp_path / "several"
     assert main([QUICK, "--out", str(several), *sets(*SMALL, "modes=[sync,async]", "seeds=[0,1]")]) == 0

@@ -471,7 +471,28 @@ class CheckpointSpec(_Frozen):
     """Checkpoints kept per mode; older ones are deleted once a newer one is complete."""
 
 
-class ReportSpec(_Frozen):
+Logger = Literal["tensorboard", "wandb", "mlflow"]
+
+
+class LoggersSpec(_Frozen):
+    """Where a run's live figures go as it runs. Read by: the harness."""
+
+    loggers: tuple[Logger, ...] = ("tensorboard",)
+    """Loggers fed each mode's figures as they happen, besides ``<mode>/metrics.jsonl`` (always
+    written): ``tensorboard``, event files in each mode's directory (``tensorboard --logdir RUN``);
+    ``wandb``, a W&B run per mode (``WANDB_MODE=offline`` keeps it on disk, in ``RUN/wandb``);
+    ``mlflow``, an MLflow run per mode (in ``RUN/mlruns`` unless ``MLFLOW_TRACKING_URI`` says where).
+    W&B and MLflow are imported only when listed, and must then be installed (``pip install wandb``,
+    ``pip install mlflow-skinny``). Empty: metrics.jsonl alone."""
+
+    @model_validator(mode="after")
+    def _each_once(self) -> "LoggersSpec":
+        if len(set(self.loggers)) != len(self.loggers):
+            raise ConfigError("report.loggers", list(self.loggers), "a logger is listed twice", "list each logger once")
+        return self
+
+
+class ReportSpec(LoggersSpec):
     """What a run writes besides report.json. Read by: the harness."""
 
     timeline: bool = True

@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from core.model.config import ConfigError, RoleSpec, _Frozen, check_runs
+from core.model.config import ConfigError, LoggersSpec, RoleSpec, _Frozen, check_runs
 
 EnvMode = Literal["sync", "async"]
 ENV_MODES: tuple[str, ...] = ("sync", "async")
@@ -295,6 +295,8 @@ class EnvScenario(_Frozen):
     the ``sim`` costs (no environment is stepped, nothing is learned)."""
     sim: EnvSimSpec = EnvSimSpec()
     """The sim runtime's costs and machines."""
+    report: LoggersSpec = LoggersSpec()
+    """Where the run's live figures go (each mode's metrics.jsonl is always written)."""
 
     @model_validator(mode="after")
     def _sim_fits(self) -> "EnvScenario":
