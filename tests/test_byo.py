@@ -298,6 +298,16 @@ def test_reward_fn_may_take_keywords_only_and_more():
         load_reward_fn("no_such_pkg.rewards:score")
 
 
+def test_a_prompt_that_leaves_no_room_for_a_response_is_refused_before_the_run(llama_dir, tmp_path):
+    from core.real.reward import TaskPrompts
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a b =", "answer": ""}\n\n' + json.dumps({"prompt": "a b c d " * 100, "answer": ""}) + "\n")
+    with pytest.raises(ValueError, match=r"task.prompts: the prompt of line 3 is \d+ tokens, leaving no room .* 256 positions; fix: shorten or drop it"):
+        TaskPrompts(task_from(TaskSpec(prompts=str(f)), 0, llama_dir, max_positions=256))
+    TaskPrompts(task_from(TaskSpec(prompts=str(f)), 0, llama_dir, max_positions=4096))
+
+
 def test_the_letters_task_runs_on_a_byte_level_tokenizer(llama_dir):
     task = task_from(TaskSpec(), 0, llama_dir)
     tok = load_tokenizer(llama_dir)
@@ -315,7 +325,8 @@ def test_a_local_run_trains_your_model_on_your_prompts_with_your_reward(llama_di
     sc = with_changes(load(TORCH), {
         "model.path": str(llama_dir), "task.prompts": str(prompts_file), "reward.fn": "tests.byo_reward:length_share",
         "modes": ["async"], "trainer.steps": 2, "trainer.batch_size": 8, "workload.group_size": 4,
-        "workload.max_response_len": 12, "eval.every": 0, "rollout.max_num_seqs": 8,
+        "workload.max_response_len": 12, "rollout.max_num_seqs": 8,
+        "task.eval_prompts": str(prompts_file), "eval.every": 1, "eval.prompts": 2, "eval.workers": 1,
     })
     byo_reward.calls.clear()
     system = run_mode(sc, "async")
@@ -324,6 +335,7 @@ def test_a_local_run_trains_your_model_on_your_prompts_with_your_reward(llama_di
     rows = {(r.prompt, r.answer) for r in read_prompts(prompts_file)}
     assert len(byo_reward.calls) >= 16 and {(p, a) for p, _, a, _ in byo_reward.calls} <= rows
     assert all(0 <= i["reward_mean"] <= 1 for i in system.trainer.step_info)
+    assert system.evaluations and all(e["prompts"] == 2 and 0 <= e["reward_mean"] <= 1 for e in system.evaluations)
     assert tree(llama_dir) == before  # trained on, never written
 
 

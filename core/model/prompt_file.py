@@ -10,7 +10,7 @@ reward compares the response with, and may be empty when a ``reward.fn`` needs n
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -34,6 +34,8 @@ class PromptFileError(ValueError):
 class PromptRow:
     prompt: str
     answer: str
+    where: str = field(default="", compare=False)
+    """Where in its file the row is ("line 3", "row 3"), for errors found later."""
 
 
 def read_prompts(path: str | Path) -> tuple[PromptRow, ...]:
@@ -70,7 +72,7 @@ def _row(obj: object, where: str) -> PromptRow:
             raise PromptFileError(f"{where}: {f!r} is a {type(obj[f]).__name__}, not a string")
     if not obj["prompt"].strip():
         raise PromptFileError(f"{where}: 'prompt' is empty")
-    return PromptRow(obj["prompt"], obj["answer"])
+    return PromptRow(obj["prompt"], obj["answer"], where)
 
 
 def _jsonl(path: Path) -> list[PromptRow]:

@@ -29,10 +29,10 @@ from core.real.task import CheckedReward, FilePrompts, LetterPrompts, LetterScor
 
 def make_task(sc: Scenario) -> Task:
     """The scenario's prompts and reward, on the tokenizer of the model the run loads."""
-    return task_from(sc.task, sc.seed, sc.real_model_path, sc.reward.fn)
+    return task_from(sc.task, sc.seed, sc.real_model_path, sc.reward.fn, sc.real_max_positions)
 
 
-def task_from(t: TaskSpec, seed: int, model_dir, reward_fn: Optional[str] = None) -> Task:
+def task_from(t: TaskSpec, seed: int, model_dir, reward_fn: Optional[str] = None, max_positions: Optional[int] = None) -> Task:
     """The task ``t`` on the tokenizer of ``model_dir``: the letters task unless ``t.prompts``
     names a file; scored by ``reward_fn`` (``module:function``) when given, else by the task's
     own reward. A response ends at the tokenizer's or the model config's end-of-sequence token."""
@@ -57,13 +57,16 @@ def task_from(t: TaskSpec, seed: int, model_dir, reward_fn: Optional[str] = None
         decode=lambda ids: tok.decode(ids, skip_special_tokens=False),
         bos_id=tok.bos_token_id,
         eos_ids=eos,
+        max_positions=max_positions,
     )
 
 
 class TaskPrompts:
-    """The Rollouter's prompt source: the task's training prompts."""
+    """The Rollouter's prompt source: the task's training prompts, each checked to fit the
+    model before the run starts."""
 
     def __init__(self, task: Task) -> None:
+        task.check_lengths()
         self.task = task
 
     def tokens(self, prompt_id: int) -> np.ndarray:

@@ -136,9 +136,12 @@ class Task:
     what ``score(prompt=, response=, answer=, finished=)`` is given.
     """
 
-    def __init__(self, prompts, score: Callable[..., float], encode, decode, bos_id: Optional[int], eos_ids) -> None:
-        """``encode(text) -> list[int]`` and ``decode(ids) -> str`` come from the tokenizer."""
+    def __init__(self, prompts, score: Callable[..., float], encode, decode, bos_id: Optional[int], eos_ids,
+                 max_positions: Optional[int] = None) -> None:
+        """``encode(text) -> list[int]`` and ``decode(ids) -> str`` come from the tokenizer;
+        ``max_positions``: the model's, which a file's prompts must leave room in."""
         self.prompts = prompts
+        self.max_positions = max_positions
         self.score = score
         self._encode = encode
         self._decode = decode
@@ -151,6 +154,18 @@ class Task:
     def tokens(self, prompt_id: int, held_out: bool = False) -> np.ndarray:
         """The prompt's token ids, <bos> first."""
         return np.asarray(self._bos + list(self._encode(self.prompt_text(prompt_id, held_out))), dtype=np.int64)
+
+    def check_lengths(self) -> None:
+        """Every prompt of a file leaves the model room for a response: ``ValueError`` naming
+        the first that does not (the letters task's are checked with the scenario)."""
+        if not isinstance(self.prompts, FilePrompts) or self.max_positions is None:
+            return
+        for key, rows in (("task.prompts", self.prompts.rows), ("task.eval_prompts", self.prompts.eval_rows or ())):
+            for row in rows:
+                n = len(self._bos) + len(self._encode(row.prompt))
+                if n >= self.max_positions:
+                    raise ValueError(f"{key}: the prompt of {row.where} is {n} tokens, leaving no room for a response in the "
+                                     f"model's {self.max_positions} positions; fix: shorten or drop it")
 
     def reward(self, prompt_id: int, response_tokens: Sequence[int], held_out: bool = False) -> float:
         ids = [int(t) for t in response_tokens]
