@@ -52,7 +52,7 @@ def task_from(t: TaskSpec, seed: int, model_dir, reward_fn: Optional[str] = None
     return Task(
         prompts,
         score,
-        # <eos> stays a word of decoded text, which the letters reward needs.
+        # Special tokens stay words of the text: the letters reward counts them as words off the prompt.
         encode=lambda text: tok.encode(text, add_special_tokens=False),
         decode=lambda ids: tok.decode(ids, skip_special_tokens=False),
         bos_id=tok.bos_token_id,
