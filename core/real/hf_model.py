@@ -21,7 +21,7 @@ from core.real.tiny_model import ensure
 _LOAD_LOCK = threading.Lock()
 
 
-def model_dir(sc: Scenario) -> Path:
+def ensure_model_dir(sc: Scenario) -> Path:
     """The directory the scenario's real run loads: ``model.path`` as it is, else the tiny
     model, built first unless asyncrl already built it."""
     if sc.model.path is not None:
