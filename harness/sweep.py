@@ -35,14 +35,16 @@ import yaml
 from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.markup import escape
 
 from core.model.config import ConfigError, Placement, Scenario, set_dotted, shown, with_changes
 from core.runtimes.dispatch import run_mode
-from core.model.owned import discard_owned, make_owned, remove_owned, replaceable
 from harness import report
 from harness.console import sweep_table
 from harness.metrics import collect
 from harness.plots import grid_heatmap_png
+from harness import run_directory
+from harness.run_directory import RunDirectory, RunDirectoryError
 from harness.scenario import ScenarioError, _error_line, _parse_sets, _read
 
 SCHEMA = "asyncrl.sweep/1"
@@ -453,15 +455,13 @@ def main(args, console: Console, err: Console) -> int:
                 raise ScenarioError(f"{name}: {args.scenario} is a sweep, which is neither checkpointed nor profiled; fix: drop {name}, or run one point's settings as its own scenario")
         sweep = load_sweep(args.scenario, args.overrides)
         out = args.out or Path("runs") / f"{sweep.name}-{datetime.now():%Y%m%d-%H%M%S}"
-        if not replaceable(out, "sweep", "sweep.json"):
-            raise ScenarioError(f"--out {out}: exists and is not a finished sweep's directory asyncrl created; fix: pass a new directory")
+        out = run_directory.check(out, "sweep", "sweep.json")
         check_keys(sweep, probe_metrics(sweep))
-    except ScenarioError as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        claimed = RunDirectory.claim(out, "sweep")
+    except (ScenarioError, RunDirectoryError) as exc:
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Built aside and moved into place whole, as harness.run does: no half-written sweeps.
-    staging = make_owned(out.parent, f".{out.name}.", "sweep")
+    staging = claimed.path
     runnable = sum(p.scenario is not None for p in sweep.points)
     workers = max(1, min(sweep.workers, runnable))
     try:
@@ -501,11 +501,10 @@ def main(args, console: Console, err: Console) -> int:
             )
             files.append("heatmap.png")
         timing["wall_s"] = time.perf_counter() - t0
-        report.write_json(staging / "sweep.json", sweep_json(sweep, rows, best, timing))
-        remove_owned(out, "sweep")
-        staging.rename(out)
+        report.write_json(staging / "sweep.json", sweep_json(sweep, rows, best, timing))  # last: it marks the sweep finished
+        claimed.commit()
     except BaseException:
-        discard_owned(staging, "sweep")
+        claimed.abandon(keep=False)
         raise
     console.print(sweep_table(sweep.name, sweep.mode, [(a.name, a.short) for a in sweep.axes], rows, sweep.objective, best))
     where = " under " + ", ".join(c.text for c in sweep.constraints) if sweep.constraints else ""

@@ -45,13 +45,16 @@ def test_uniform_replay_and_one_step_rows_run_too(tmp_path):
     assert m["updates"] > 0
 
 
-def test_an_env_scenario_runs_async_on_ray(tmp_path, ray_session):
+def test_an_env_scenario_runs_async_on_ray_and_profiles_every_actor(tmp_path, ray_session, capsys):
     out = tmp_path / "run"
-    rc = main(["scenarios/cartpole-dqn.yaml", "--out", str(out), "--no-plots", "--set", "modes=[async]",
+    rc = main(["scenarios/cartpole-dqn.yaml", "--out", str(out), "--no-plots", "--profile", "--set", "modes=[async]",
                "--set", "ray.sampler.num_cpus=0.5", "--set", "ray.learner.num_cpus=0.5", "--set", "dqn.batches_per_call=2", "--set", "dqn.publish_every=16", *QUICK])
     assert rc == 0
     m = json.loads((out / "seed-0" / "async" / "report.json").read_text())["metrics"]
     assert m["env_steps"] >= 3000 and m["updates"] > 0 and m["versions"] >= 1
+    svgs = sorted(p.name for p in (out / "seed-0" / "async" / "profile").glob("*.svg"))
+    assert svgs == ["driver.svg", "learner.svg", "replay.svg", "sampler-0.svg"]
+    assert "seed-0/async/profile/learner.svg" in " ".join(capsys.readouterr().out.split())
 
 
 def test_a_ppo_scenario_runs_sync_and_its_ledger_balances(tmp_path):
@@ -70,7 +73,6 @@ def test_a_ppo_scenario_runs_sync_and_its_ledger_balances(tmp_path):
     (["--set", "replay.error_buffer=1"], "replay.error_buffer = 1"),
     (["--stop-at-step", "3"], "--stop-at-step 3: the run keeps no checkpoints to resume from; fix: --set checkpoint.every=10"),
     (["--stop-at-step", "0", "--set", "checkpoint.every=2"], "--stop-at-step 0: counts learner versions, from 1"),
-    (["--profile"], "--profile: not supported for an env scenario yet"),
     (["--set", "runtime=sim", "--set", "checkpoint.every=2"], "checkpoint.every = 2: the sim runtime learns nothing to checkpoint"),
     (["--set", "faults=[{target: replay, at_env_steps: 100}]"], "faults.0.target = 'replay': a store (replay or queue) that is not journaled"),
     (["--set", "faults=[{sampler: 1, at_env_steps: 100}]"], "faults.0.sampler = 1: there are 1 samplers"),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from core.model.owned import STAMP, NotOwned, discard_owned, remove_owned, replaceable, stamp
+from core.model.owned import LOCK, STAMP, NotOwned, discard_owned, remove_owned, replaceable, stamp
 from core.real.tiny_model import build
 from harness.metrics import WALL_CLOCK_KEYS
 from harness.run import main
@@ -130,7 +130,7 @@ def test_out_never_replaces_a_directory_that_is_not_a_run(tmp_path):
     run = tmp_path / "run"
     assert main([QUICK, "--out", str(run), "--no-plots", *sets(*SMALL, "modes=[async]")]) == 0
     assert main([QUICK, "--out", str(run), "--no-plots", *sets(*SMALL, "modes=[partial]")]) == 0
-    assert sorted(p.name for p in run.iterdir()) == [STAMP, "partial", "summary.json"]
+    assert sorted(p.name for p in run.iterdir()) == [LOCK, STAMP, "partial", "summary.json"]
 
 
 def test_missing_file_names_it(tmp_path):

@@ -18,7 +18,7 @@ import torch
 from core.model.sample import Group, Sample
 from core.model.timeline import GENERATE, Timeline
 from core.real.engine_torch import TorchEngine
-from core.real.tiny_model import load_model
+from core.real.hf_model import load_model
 from tests.polling import wait_for
 
 PROMPT = [2, 5, 9, 12, 7, 3]

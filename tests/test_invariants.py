@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 import math
 
 from core.model.config import MODES, Scenario, effective_staleness
+from core.model.progress import StepTrained
 from core.model.timeline import GENERATE, TRAIN
 from core.pipeline.wiring import in_flight
 from core.runtimes.dispatch import run_mode
@@ -109,10 +110,12 @@ def test_the_ledger_balances_after_every_step_not_only_at_the_end(sc, mode):
     async def main():
         system = None
 
-        def check(step, now, trained):
+        def check(event):
+            if not isinstance(event, StepTrained):
+                return
             led = system.ledger
-            assert led.produced == led.trained + led.dropped_total + in_flight(system), f"step {step}"
-            checked.append(step)
+            assert led.produced == led.trained + led.dropped_total + in_flight(system), f"step {event.step}"
+            checked.append(event.step)
 
         system = connect_sim(sc, mode, on_step=check)
         await drive(system)

@@ -37,6 +37,7 @@ from core.env.wiring import (
 )
 from core.model.env_config import EnvScenario
 from core.model.owned import keep_owned, remove_owned
+from core.model.progress import PolicyEvaluated, ProgressFn, VersionPublished
 from core.model.timeline import GENERATE, SEND, SYNC, TRAIN, Timeline
 from core.store import checkpoint
 from core.store.queue_journal import chunk_key
@@ -97,6 +98,7 @@ def greedy_return(sc: EnvScenario, seed: int) -> Callable[[Policy], float]:
 async def run_sync(
     sc: EnvScenario, seed: int, *, evaluate: Optional[Callable[[Policy], float]] = None,
     stop_at_target: bool = True, run_dir: Optional[Path] = None, stop_at_version: Optional[int] = None,
+    on_progress: Optional[ProgressFn] = None,
 ) -> EnvCurve:
     """Train for ``env.env_steps`` (or until an evaluation reaches ``env.target_return``, with
     ``stop_at_target``). Evaluations run every ``env.eval_every`` env steps and at the end.
@@ -105,7 +107,8 @@ async def run_sync(
     live there, and a run that finds a checkpoint there goes on from it: the learner and the
     curve as checkpointed, the store as journaled, the sampler at the chunk after the last the
     store took, its environments in new episodes. ``stop_at_version``: stop once that version
-    is checkpointed, as a crash would (``RunStopped``), unless the run resumed at or past it."""
+    is checkpointed, as a crash would (``RunStopped``), unless the run resumed at or past it.
+    ``on_progress`` is told every version published and every evaluation, as they happen."""
     evaluate = evaluate or greedy_return(sc, seed)
     torch.set_num_threads(learner_threads(sc))
     every = sc.checkpoint.every if run_dir is not None else 0
@@ -151,7 +154,7 @@ async def run_sync(
         timeline.add(ROW, kind, since, now)
         return now - since
 
-    def publish() -> None:
+    def publish(figures: Optional[dict] = None) -> None:
         curve.versions += 1
         stop = stop_at_version is not None and curve.versions >= stop_at_version
         if stop or (every and curve.versions % every == 0):
@@ -164,6 +167,8 @@ async def run_sync(
             if ppo:
                 store.ack(taken)
                 taken.clear()
+        if on_progress is not None:
+            on_progress(VersionPublished(curve.versions, clock(), sampler.env_steps, curve.updates, figures or {}))
         if stop:
             raise RunStopped(f"stopped after learner version {curve.versions}")
         policy.set_weights(learner.weights(), curve.versions)
@@ -198,7 +203,7 @@ async def run_sync(
             curve.trained_chunks += k
             p0 = clock()
             queue.set_version(curve.versions + 1)  # first: the queue refuses a chunk newer than its version
-            publish()
+            publish(figs)
             spent(SYNC, p0)
 
     def record() -> bool:
@@ -209,6 +214,8 @@ async def run_sync(
         curve.env_steps.append(sampler.env_steps)
         curve.eval_return.append(score)
         log.info("env steps %d: evaluation return %.1f (%d updates)", sampler.env_steps, score, curve.updates)
+        if on_progress is not None:
+            on_progress(PolicyEvaluated(curve.versions, curve.wall_s[-1], sampler.env_steps, score))
         return stop_at_target and score >= sc.env.target_return
 
     learn = learn_ppo if ppo else learn_dqn

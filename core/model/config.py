@@ -10,16 +10,23 @@ import math
 import re
 import reprlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Literal, Optional, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from core.model.length_file import LengthFileError, read_lengths
+from core.model.model_dir import ModelDirError, check_loadable, read_model_dir
+from core.model.owned import is_owned
+from core.model.prompt_file import PromptFileError, read_prompts
+from core.model.reward_fn import SIGNATURE, RewardFnError, load_reward_fn
 
 Mode = Literal["sync", "async", "partial", "inflight"]
 MODES: tuple[str, ...] = ("sync", "async", "partial", "inflight")
 Correction = Literal["none", "tis", "decoupled", "masked", "m2po"]
+# The stamp's kind of a tiny-model directory asyncrl built (core/model/owned.py).
+TINY_MODEL_KIND = "tiny-model"
 
 
 # Ceilings of the counts that size a run's work or memory: far above any real run, low enough
@@ -153,8 +160,22 @@ def _check_magnitude(value: object) -> None:
 
 
 class ModelSpec(_Frozen):
-    """The policy model whose costs are simulated. Read by: the sim runtime only (a real run's model is ``tiny_model``)."""
+    """The policy model. Read by: the sim runtime for its figures (costs, memory); the real
+    runtimes for ``path`` (without it they train ``tiny_model``).
 
+    With ``path`` the figures come from that directory (core/model/model_dir.py): layers,
+    hidden, kv_heads, head_dim, vocab, tied_embeddings and max_positions from config.json,
+    params_b counted exactly from the safetensors headers. A figure written beside ``path``
+    must agree with the directory (params_b within 1 %, the rounding of a model card), else
+    the scenario is refused naming both; ``name`` and ``dtype_bytes`` (the directory's name
+    and dtype) may be set to anything, and so may params_b when the directory has no weights
+    to count and it would only be estimated from the figures."""
+
+    path: Optional[str] = None
+    """A local Hugging Face causal-LM directory (config.json, *.safetensors weights, tokenizer
+    files), relative to the working directory. The real runtimes train and serve it, loaded
+    from disk only (nothing is downloaded; asyncrl never writes into it). For the sim,
+    config.json alone is enough. None: the figures below, and the tiny model on real runtimes."""
     name: str = "Qwen2.5-7B"
     """A label for reports."""
     params_b: float = Field(7.62, gt=0)
@@ -177,6 +198,38 @@ class ModelSpec(_Frozen):
     tied_embeddings: bool = False
     """The output layer reuses the input embedding (Qwen2.5-7B config.json: tie_word_embeddings
     false; Qwen2.5-1.5B: true); tied, its matrix is multiplied by the lm_head and nothing is left out."""
+    max_positions: Optional[int] = Field(None, ge=1, le=MAX_TOKENS)
+    """Longest prompt + response the model takes (config.json max_position_embeddings), read
+    from ``path``. None: not checked."""
+
+    @model_validator(mode="after")
+    def _from_path(self) -> "ModelSpec":
+        if self.path is None:
+            return self
+        try:
+            figures = read_model_dir(self.path)
+        except ModelDirError as exc:
+            raise ConfigError("model.path", self.path, str(exc), "give a local Hugging Face model directory (config.json, *.safetensors, tokenizer)") from None
+        given = self.model_fields_set
+        for key, value in figures.stated().items():
+            if key in given and not _agrees(getattr(self, key), value):
+                shown = f"{value:.4g}" if key == "params_b" else repr(value)
+                raise ConfigError(f"model.{key}", getattr(self, key), f"model.path {self.path} says {shown}", f"remove model.{key}, or set it to {shown}")
+        read = {**figures.defaults(), **figures.stated()}
+        for key, value in read.items():
+            if key not in given:
+                # Filled in, not set: a copy with another model.path (with_changes) reads that directory's.
+                object.__setattr__(self, key, value)
+        return self
+
+
+def _agrees(given: object, read: object) -> bool:
+    """An explicit figure against the directory's: the same, or a parameter count within 1 %."""
+    if isinstance(read, bool) or isinstance(given, bool) or not isinstance(given, (int, float)):
+        return given == read
+    if isinstance(read, float):
+        return math.isclose(given, read, rel_tol=0.01)
+    return given == read
 
 
 class GpuSpec(_Frozen):
@@ -367,11 +420,13 @@ class ReplaySpec(_Frozen):
 
 
 class TinyModelSpec(_Frozen):
-    """The tiny random-weight Qwen2 model that the real runtimes train and serve (core/real/tiny_model.py).
-    Read by: the local and ray runtimes."""
+    """The tiny random-weight Qwen2 model that the real runtimes train and serve unless ``model.path``
+    names one (core/real/tiny_model.py). Read by: the local and ray runtimes."""
 
     path: str = "models/tiny-qwen2"
-    """Model directory, relative to the working directory; built on first use if missing."""
+    """Model directory, relative to the working directory; built on first use if missing, and
+    rebuilt when asyncrl built it for another spec. A directory there that asyncrl did not
+    build is refused, never written into: a model of your own goes in ``model.path``."""
     seed: int = Field(0, ge=0, le=MAX_INT)
     """Seeds the random weights and the tokenizer's training text."""
     layers: int = Field(2, ge=1, le=MAX_DIM)
@@ -409,6 +464,30 @@ class TaskSpec(_Frozen):
     target_reward: float = Field(0.3, gt=0, le=1)
     """The reward a run is timed to reach unless `learn.target_reward` says otherwise: an untrained tiny
     model scores about 0.08 here, and a run of 40 sync steps ends near 0.4 (docs/results)."""
+    prompts: Optional[str] = None
+    """A file of prompts and answers to train on instead of the letters task: JSON Lines of
+    {"prompt": str, "answer": str}, or parquet with those columns (core/model/prompt_file.py),
+    relative to the working directory. Prompts are taken in an order shuffled per pass by
+    the seed; the reward is ``reward.fn``, else 1 for a response that equals the answer
+    (whitespace stripped) and 0 otherwise. None: the letters task."""
+    eval_prompts: Optional[str] = None
+    """Held-out prompts for ``eval`` when ``task.prompts`` is set, in the same format. None:
+    the letters task's own held-out stream (with ``task.prompts``, no evaluation)."""
+
+    @model_validator(mode="after")
+    def _prompt_files(self) -> "TaskSpec":
+        for key in ("prompts", "eval_prompts"):
+            path = getattr(self, key)
+            if path is not None:
+                try:
+                    read_prompts(path)
+                except PromptFileError as exc:
+                    fix = exc.fix or 'give a .jsonl file of {"prompt": ..., "answer": ...} lines, or a .parquet file with those columns'
+                    raise ConfigError(f"task.{key}", path, str(exc), fix) from None
+        if self.eval_prompts is not None and self.prompts is None:
+            raise ConfigError("task.eval_prompts", self.eval_prompts, "held-out prompts of a task.prompts file, and there is none",
+                              "set task.prompts too, or remove task.eval_prompts")
+        return self
 
 
 class EngineSpec(_Frozen):
@@ -462,12 +541,25 @@ class LearnSpec(_Frozen):
 
 
 class RewardSpec(_Frozen):
-    """Where rewards are computed. Read by: the ray runtime (Serve)."""
+    """How rewards are computed, and where. Read by: the local and ray runtimes (fn); the ray runtime (Serve)."""
 
     serve: bool = False
     """Ray runtime: score through a Ray Serve deployment instead of in the Rollouter's process."""
     replicas: int = Field(1, ge=1, le=MAX_DEVICES)
     """Replicas of the Serve deployment."""
+    fn: Optional[str] = None
+    """Your reward, ``module:function``, called as fn(prompt=, response=, answer=, finished=)
+    and returning a float (core/model/reward_fn.py); imported before the run, and by name in
+    every process that scores (the Serve replicas too). None: the task's own reward."""
+
+    @model_validator(mode="after")
+    def _importable(self) -> "RewardSpec":
+        if self.fn is not None:
+            try:
+                load_reward_fn(self.fn)
+            except RewardFnError as exc:
+                raise ConfigError("reward.fn", self.fn, str(exc), f"name an importable module:function defined as {SIGNATURE}") from None
+        return self
 
 
 class EvalSpec(_Frozen):
@@ -581,7 +673,28 @@ class CheckpointSpec(_Frozen):
     """Checkpoints kept per mode; older ones are deleted once a newer one is complete."""
 
 
-class ReportSpec(_Frozen):
+Logger = Literal["tensorboard", "wandb", "mlflow"]
+
+
+class LoggersSpec(_Frozen):
+    """Where a run's live figures go as it runs. Read by: the harness."""
+
+    loggers: tuple[Logger, ...] = ("tensorboard",)
+    """Loggers fed each mode's figures as they happen, besides ``<mode>/metrics.jsonl`` (always
+    written): ``tensorboard``, event files in each mode's directory (``tensorboard --logdir RUN``);
+    ``wandb``, a W&B run per mode (``WANDB_MODE=offline`` keeps it on disk, in ``RUN/wandb``);
+    ``mlflow``, an MLflow run per mode (in ``RUN/mlruns`` unless ``MLFLOW_TRACKING_URI`` says where).
+    W&B and MLflow are imported only when listed, and must then be installed (``pip install wandb``,
+    ``pip install mlflow-skinny``). Empty: metrics.jsonl alone."""
+
+    @model_validator(mode="after")
+    def _each_once(self) -> "LoggersSpec":
+        if len(set(self.loggers)) != len(self.loggers):
+            raise ConfigError("report.loggers", list(self.loggers), "a logger is listed twice", "list each logger once")
+        return self
+
+
+class ReportSpec(LoggersSpec):
     """What a run writes besides report.json. Read by: the harness."""
 
     timeline: bool = True
@@ -742,13 +855,7 @@ class Scenario(_Frozen):
                 f"use at most {self.task.alphabet}, or raise task.alphabet",
             )
         if self.runtime != "sim":
-            need = 1 + self.task.max_letters + 2 + self.workload.max_response_len
-            if need > self.tiny_model.max_positions:
-                raise ConfigError(
-                    "workload.max_response_len", self.workload.max_response_len,
-                    f"prompt + response can reach {need} tokens, beyond tiny_model.max_positions = {self.tiny_model.max_positions}",
-                    f"use at most {self.tiny_model.max_positions - need + self.workload.max_response_len}, or raise tiny_model.max_positions",
-                )
+            self._check_real_model()
         if self.reward.serve and self.runtime != "ray":
             raise ConfigError("reward.serve", True, f"Ray Serve needs runtime ray, not {self.runtime}", "set runtime: ray, or reward.serve: false")
         rp = self.replay
@@ -761,14 +868,45 @@ class Scenario(_Frozen):
         self._check_kv_fits()
         return self
 
+    def _check_real_model(self) -> None:
+        """The model a real run loads is there and takes the longest sequence; the tiny model is
+        built only where asyncrl may write."""
+        m, t, w = self.model, self.task, self.workload
+        if m.path is not None:
+            try:
+                check_loadable(m.path)
+            except ModelDirError as exc:
+                raise ConfigError("model.path", m.path, str(exc), "give a directory as save_pretrained writes it (safetensors weights and tokenizer)") from None
+            limit, key, raise_it = m.max_positions, "model.max_positions", ""
+        else:
+            _check_tiny_model_dir(self.tiny_model.path)
+            limit, key, raise_it = self.tiny_model.max_positions, "tiny_model.max_positions", ", or raise tiny_model.max_positions"
+        # A file's prompts are measured when they are tokenized; here they count one token.
+        prompt = 1 if t.prompts is not None else 1 + t.max_letters + 2
+        need = prompt + w.max_response_len
+        if limit is not None and need > limit:
+            raise ConfigError(
+                "workload.max_response_len", w.max_response_len, f"prompt + response can reach {need} tokens, beyond {key} = {limit}",
+                f"use at most {limit - prompt}{raise_it}",
+            )
+        if t.prompts is not None and t.eval_prompts is None and self.eval.every:
+            raise ConfigError("eval.every", self.eval.every, "with task.prompts, held-out prompts come from task.eval_prompts, and none is given",
+                              "set task.eval_prompts to a file of held-out prompts, or eval.every: 0")
+
     def _check_kv_fits(self) -> None:
         """vLLM refuses to start an engine that cannot hold its weights plus one sequence of
-        the longest context; so does the sim."""
+        the longest context, or whose model takes no sequence that long; so does the sim."""
         if self.runtime != "sim":
             return
         r, g = self.resources, self.gpu
         need = self.workload.prompt_tokens + self.workload.max_response_len
         cap = kv_capacity_tokens(self, r.gpus_per_engine)
+        limit = self.model.max_positions
+        if cap > 0 and limit is not None and need > limit:
+            room = limit - self.workload.prompt_tokens
+            raise ConfigError("workload.max_response_len", self.workload.max_response_len,
+                              f"workload.prompt_tokens + workload.max_response_len = {need:,} is beyond model.max_positions = {limit:,}",
+                              f"use at most {room}" if room > 0 else f"lower workload.prompt_tokens below {limit}, and the response length with it")
         if cap >= need:
             return
         engine_gb = r.gpus_per_engine * g.memory_gb * self.rollout.gpu_memory_utilization
@@ -780,7 +918,8 @@ class Scenario(_Frozen):
                    f"less than one sequence of workload.prompt_tokens + workload.max_response_len = {need:,}")
         if cap <= 0:
             raise ConfigError("resources.gpus_per_engine", r.gpus_per_engine, numbers,
-                              "raise resources.gpus_per_engine (tensor parallelism), gpu.memory_gb or rollout.gpu_memory_utilization")
+                              "raise resources.gpus_per_engine (tensor parallelism), gpu.memory_gb or rollout.gpu_memory_utilization, "
+                              "or simulate a smaller model")
         raise ConfigError("workload.max_response_len", self.workload.max_response_len, numbers,
                           f"use at most {int(cap) - self.workload.prompt_tokens}, or raise resources.gpus_per_engine, "
                           "gpu.memory_gb or rollout.gpu_memory_utilization")
@@ -834,6 +973,32 @@ class Scenario(_Frozen):
                 f"{n} fault{'s kill' if n > 1 else ' kills'} {name}, so the run would end in RestartsExhausted", f"use at least {n}, or fewer kills",
             )
 
+    def with_absolute_paths(self) -> "Scenario":
+        """This scenario with the paths the real runtimes open made absolute, for processes
+        that may run in another working directory (a copy: not validated again)."""
+        def absolute(p: Optional[str]) -> Optional[str]:
+            return None if p is None else str(Path(p).absolute())
+
+        t = self.task
+        return self.model_copy(update={
+            "model": self.model.model_copy(update={"path": absolute(self.model.path)}),
+            "tiny_model": self.tiny_model.model_copy(update={"path": absolute(self.tiny_model.path)}),
+            "task": t.model_copy(update={"prompts": absolute(t.prompts), "eval_prompts": absolute(t.eval_prompts)}),
+        })
+
+    @property
+    def real_model_path(self) -> str:
+        """The model directory the real runtimes load: ``model.path``, else the tiny model's."""
+        return self.model.path if self.model.path is not None else self.tiny_model.path
+
+    @property
+    def real_max_positions(self) -> int:
+        """The longest prompt + response the real runtimes' model takes."""
+        if self.model.path is None:
+            return self.tiny_model.max_positions
+        # A config.json without the figure: as much as the workload asks for.
+        return self.model.max_positions or (self.workload.prompt_tokens + self.workload.max_response_len)
+
     @property
     def groups_per_step(self) -> int:
         """Groups each trainer step trains."""
@@ -874,6 +1039,17 @@ class Scenario(_Frozen):
         return self.seeds or (self.seed,)
 
 
+def _check_tiny_model_dir(path: str) -> None:
+    """The tiny model is (re)built only into a directory that is missing or that asyncrl built
+    (stamped): anything else at that path is the user's, and is never written into."""
+    p = Path(path)
+    if (p.exists() or p.is_symlink()) and (p.is_symlink() or not is_owned(p, TINY_MODEL_KIND)):
+        raise ConfigError(
+            "tiny_model.path", path, "exists and is not a tiny model asyncrl built (no stamp); asyncrl never writes into it",
+            "to train the model in that directory set model.path to it, else point tiny_model.path at a new directory",
+        )
+
+
 _S = TypeVar("_S", bound=BaseModel)
 
 
@@ -894,7 +1070,7 @@ def set_dotted(data: dict, key: str, value: object) -> None:
 
 def with_changes(sc: _S, changes: dict[str, object]) -> _S:
     """A validated copy of ``sc`` (any scenario model) with dotted-key changes, e.g. ``{"trainer.steps": 10}``."""
-    data = sc.model_dump()
+    data = sc.model_dump(exclude_unset=True)  # what was given: figures read from model.path are read again
     for key, value in changes.items():
         set_dotted(data, key, value)
     return type(sc).model_validate(data)

@@ -19,7 +19,7 @@ from pydantic import Field, model_validator
 
 from core.model.config import (
     MAX_BYTES, MAX_DEVICES, MAX_DIM, MAX_ENV_STEPS, MAX_INT, MAX_SAMPLES, MAX_SEEDS, MAX_STEPS,
-    ConfigError, RoleSpec, RunName, _Frozen, check_runs,
+    ConfigError, LoggersSpec, RoleSpec, RunName, _Frozen, check_runs,
 )
 
 EnvMode = Literal["sync", "async"]
@@ -298,6 +298,8 @@ class EnvScenario(_Frozen):
     the ``sim`` costs (no environment is stepped, nothing is learned)."""
     sim: EnvSimSpec = EnvSimSpec()
     """The sim runtime's costs and machines."""
+    report: LoggersSpec = LoggersSpec()
+    """Where the run's live figures go (each mode's metrics.jsonl is always written)."""
 
     @model_validator(mode="after")
     def _sim_fits(self) -> "EnvScenario":

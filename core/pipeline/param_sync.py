@@ -13,6 +13,7 @@ import asyncio
 from typing import Awaitable, Callable, Optional
 
 from core.api import PauseMode, RolloutControl, WeightTransfer
+from core.model.progress import WeightsSynced
 from core.model.timeline import SYNC, Timeline
 
 
@@ -24,11 +25,13 @@ class ParamSync:
         transfer: WeightTransfer,
         mode: PauseMode,
         timeline: Optional[Timeline] = None,
+        on_synced: Optional[Callable[[WeightsSynced], None]] = None,
     ) -> None:
         self.rollouter = rollouter
         self.transfer = transfer
         self.mode = mode
         self.timeline = timeline
+        self.on_synced = on_synced
         self.pause_s: list[float] = []
         self.drain_s: list[float] = []
         self.transfer_s: list[float] = []
@@ -68,3 +71,5 @@ class ParamSync:
         if self.timeline is not None:
             self.timeline.add("trainer", SYNC, t0, t3)  # the trainer waits from the request on
             self.timeline.add("rollout", SYNC, t1, t3)  # engines stop once drained or aborted
+        if self.on_synced is not None:
+            self.on_synced(WeightsSynced(version, t3, t3 - t0, t1 - t0, t2 - t1))

@@ -8,6 +8,7 @@ from typing import Awaitable, Callable, Optional
 
 from core.api import Batch, BatchSource, TrainBackend
 from core.model.ledger import Ledger
+from core.model.progress import StepTrained
 from core.model.sample import Group
 from core.model.timeline import TRAIN, Timeline
 from core.pipeline.param_sync import ParamSync
@@ -32,7 +33,7 @@ class Trainer:
         steps: int,
         timeline: Optional[Timeline] = None,
         pull_window: bool = False,
-        on_step: Optional[Callable[[int, float, int], None]] = None,
+        on_step: Optional[Callable[[StepTrained], None]] = None,
     ) -> None:
         self.source = source
         self.ledger = ledger
@@ -63,6 +64,16 @@ class Trainer:
             self.wait_s = state["wait_s"]
         self.holding = Batch(list(holding))
 
+    def _trained(self, batch: Batch, now: float, info: dict) -> StepTrained:
+        led = self.ledger
+        return StepTrained(
+            step=self.step, version=self.version, at_s=now,
+            samples=sum(g.size for g in batch.groups),
+            staleness_sum=sum((self.version - g.version) * g.size for g in batch.groups),
+            trainings=led.trainings, trained=led.trained, tokens=led.prompt_tokens + led.response_tokens,
+            staleness_total=led.staleness_sum, staleness_max=led.staleness_max, figures=info,
+        )
+
     async def run(self, before: Optional[Callable[[], Awaitable[None]]] = None) -> None:
         """Train until ``steps``; ``before`` runs first (a resumed trainer finishes its sync)."""
         loop = asyncio.get_running_loop()
@@ -87,7 +98,7 @@ class Trainer:
             self.step += 1
             self.ledger.step_done(now)
             if self.on_step is not None:
-                self.on_step(self.step, now, self.ledger.trainings)
+                self.on_step(self._trained(batch, now, info))
             if self.step % self.sync_every == 0 and self.step < self.steps:
                 self.version += 1
                 await self.param_sync.sync(self.version)

@@ -30,6 +30,7 @@ from core.api import Batch, BatchSource, Engine, LocalEngine, PauseMode, PromptS
 from core.model.config import Placement, Scenario, effective_staleness
 from core.model.faults import FaultLog, FaultPlan
 from core.model.ledger import Ledger
+from core.model.progress import ProgressFn
 from core.model.result import EngineCounters, RunResult, SyncCounters, TrainerCounters
 from core.model.sample import Group
 from core.model.timeline import Timeline
@@ -40,8 +41,6 @@ from core.pipeline.staleness_queue import AsyncStalenessQueue, QueueBatches
 from core.pipeline.supervised_engine import SupervisedEngine
 from core.pipeline.trainer import Trainer
 from core.store.queue_journal import QueueJournal
-
-ProgressFn = Callable[[int, float, int], None]
 
 # What a sync does to generations in flight, per mode (sync has none in flight by then).
 PAUSE: dict[str, PauseMode] = {"sync": "wait", "async": "wait", "partial": "abort", "inflight": "keep"}
@@ -213,6 +212,7 @@ def connect_trainer(
         transfer=workers.transfer,
         mode=PAUSE[mode],
         timeline=timeline,
+        on_synced=on_step,
     )
     trainer = Trainer(
         source=queue if replay is None else replay,

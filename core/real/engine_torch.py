@@ -37,7 +37,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from core.model.sample import Group, Sample
 from core.real.engine_meter import EngineMeter
-from core.real.tiny_model import load_model
+from core.real.hf_model import load_model
 from core.model.timeline import Timeline
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ import numpy as np
 
 from core.model.config import Scenario
 from core.real.reward import make_task
-from core.real.tiny_model import load_model
+from core.real.hf_model import load_model
 
 log = logging.getLogger(__name__)
 
@@ -33,16 +33,18 @@ def evaluate(sc: Scenario, weights: Optional[dict], version: int, prompt_ids: li
 
     if threads is not None:
         torch.set_num_threads(threads)
-    model = load_model(sc.tiny_model.path)
+    model = load_model(sc.real_model_path)
     if weights is not None:
         model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in weights.items()}, strict=False)
     model.eval()
     task = make_task(sc)
     cfg = model.config
+    eos = cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, (list, tuple)) else cfg.eos_token_id
+    pad = eos if cfg.pad_token_id is None else cfg.pad_token_id  # many models name no pad token
     prompts = [task.tokens(pid, held_out=True) for pid in prompt_ids]
     width = max(len(p) for p in prompts)
     # One batched generate, prompts left-padded: a few hundred decode steps in all.
-    ids = torch.full((len(prompts), width), cfg.pad_token_id, dtype=torch.long)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.from_numpy(p)
@@ -57,13 +59,13 @@ def evaluate(sc: Scenario, weights: Optional[dict], version: int, prompt_ids: li
             temperature=sc.engine.temperature,
             top_k=0,
             top_p=1.0,
-            eos_token_id=cfg.eos_token_id,
-            pad_token_id=cfg.pad_token_id,
+            eos_token_id=eos,
+            pad_token_id=pad,
         )
     rewards, lengths = [], []
     for pid, row in zip(prompt_ids, out[:, width:].tolist()):
-        if cfg.eos_token_id in row:  # what follows the first <eos> is padding
-            row = row[: row.index(cfg.eos_token_id) + 1]
+        if eos in row:  # what follows the first <eos> is padding
+            row = row[: row.index(eos) + 1]
         rewards.append(task.reward(pid, row, held_out=True))
         lengths.append(len(row))
     return {"version": version, "rewards": rewards, "lengths": lengths}

@@ -53,6 +53,7 @@ import torch
 from core.model.config import LearnSpec
 from core.api import Batch
 from core.model.sample import Sample
+from core.real.hf_model import load_model
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +159,6 @@ class TorchTrainBackend:
         seed: int = 0,
         temperature: float = 1.0,
     ) -> None:
-        from transformers import Qwen2ForCausalLM
-
         self.learn = learn
         self.threads = threads
         self.device = device
@@ -169,9 +168,7 @@ class TorchTrainBackend:
         # On CPU, torch's SDPA kernels are 3-40x slower than eager attention at these sizes
         # (measured: padded batch of 64 x 80 tokens, 2 threads; decode with a padding mask worst).
         attn = "eager" if device == "cpu" else "sdpa"
-        self.model = Qwen2ForCausalLM.from_pretrained(
-            str(model_dir), dtype=torch.float32, attn_implementation=attn, use_safetensors=True,  # never a pickle
-        ).to(device)
+        self.model = load_model(model_dir, attn_implementation=attn).to(device)
         self.model.train()
         self.opt = torch.optim.Adam(self.model.parameters(), lr=learn.lr)
         cfg = self.model.config

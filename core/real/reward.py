@@ -1,5 +1,9 @@
 """Rewards of the real runtimes: the task scored in process, or through a Ray Serve deployment.
 
+The task is the scenario's prompts (the letters task or ``task.prompts``) scored by its own
+reward or by ``reward.fn``; the Serve replicas build the same task from the scenario, so a
+user's reward function is imported there by name, as in the Rollouter's process.
+
 The Rollouter awaits ``score(group)`` on a finished group either way; with ``reward.serve``
 the same scoring code runs in Serve replicas (``.options(...)``, ``.bind(...)``,
 ``serve.run``) and the Rollouter calls them through the deployment handle.
@@ -9,43 +13,60 @@ from __future__ import annotations
 
 import asyncio
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
 from core.model.config import Scenario, TaskSpec
 from core.model.sample import Group
 from core.model.faults import CallTimeout, WorkerLost
-from core.real.task import Task
-from core.real.tiny_model import load_tokenizer
+from core.model.model_dir import read_model_dir
+from core.model.prompt_file import read_prompts
+from core.model.reward_fn import load_reward_fn
+from core.real.hf_model import load_tokenizer
+from core.real.task import CheckedReward, FilePrompts, LetterPrompts, LetterScore, Task, exact_match
 
 
 def make_task(sc: Scenario) -> Task:
-    """The scenario's task, tokenized with the tiny model's tokenizer."""
-    return task_from(sc.task, sc.seed, sc.tiny_model.path)
+    """The scenario's prompts and reward, on the tokenizer of the model the run loads."""
+    return task_from(sc.task, sc.seed, sc.real_model_path, sc.reward.fn, sc.real_max_positions)
 
 
-def task_from(t: TaskSpec, seed: int, model_dir) -> Task:
-    """A task on the tokenizer of ``model_dir``; ``<eos>`` stays a word of decoded text,
-    which the reward needs."""
+def task_from(t: TaskSpec, seed: int, model_dir, reward_fn: Optional[str] = None, max_positions: Optional[int] = None) -> Task:
+    """The task ``t`` on the tokenizer of ``model_dir``: the letters task unless ``t.prompts``
+    names a file; scored by ``reward_fn`` (``module:function``) when given, else by the task's
+    own reward. A response ends at the tokenizer's or the model config's end-of-sequence token."""
     tok = load_tokenizer(model_dir)
+    if t.prompts is None:
+        prompts = LetterPrompts(seed, t.alphabet, t.min_letters, t.max_letters)
+    else:
+        held_out = read_prompts(t.eval_prompts) if t.eval_prompts is not None else None
+        prompts = FilePrompts(read_prompts(t.prompts), held_out, seed)
+    if reward_fn is not None:
+        score = CheckedReward(load_reward_fn(reward_fn), reward_fn)
+    elif t.prompts is not None:
+        score = exact_match
+    else:
+        score = LetterScore(t.length_per_letter, t.truncated_reward, t.overshoot)
+    eos = {e for e in (tok.eos_token_id, *read_model_dir(model_dir).eos_ids) if e is not None}
     return Task(
-        seed=seed,
-        alphabet=t.alphabet,
-        min_letters=t.min_letters,
-        max_letters=t.max_letters,
-        length_per_letter=t.length_per_letter,
-        truncated_reward=t.truncated_reward,
-        overshoot=t.overshoot,
+        prompts,
+        score,
+        # Special tokens stay words of the text: the letters reward counts them as words off the prompt.
         encode=lambda text: tok.encode(text, add_special_tokens=False),
         decode=lambda ids: tok.decode(ids, skip_special_tokens=False),
+        bos_id=tok.bos_token_id,
+        eos_ids=eos,
+        max_positions=max_positions,
     )
 
 
 class TaskPrompts:
-    """The Rollouter's prompt source: the task's training prompts."""
+    """The Rollouter's prompt source: the task's training prompts, each checked to fit the
+    model before the run starts."""
 
     def __init__(self, task: Task) -> None:
+        task.check_lengths()
         self.task = task
 
     def tokens(self, prompt_id: int) -> np.ndarray:

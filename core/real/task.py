@@ -20,14 +20,23 @@ a one-sided push held back only by the cliff at the cap (docs/results).
 
 The reward is computed on the decoded text, not on token ids, so it is the same whoever
 tokenizes (the trainer, vLLM, the reward service).
+
+Prompts may come from a file instead (``task.prompts``, ``FilePrompts``) and the reward from a
+function of the user's (``reward.fn``, ``CheckedReward``); ``Task`` puts any prompts and any
+reward on one tokenizer.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import string
-from typing import Sequence
+from functools import lru_cache
+from typing import Callable, Optional, Sequence
 
 import numpy as np
+
+from core.model.prompt_file import PromptRow
 
 LETTERS = tuple(string.ascii_lowercase)
 DIGITS = tuple(string.digits)
@@ -37,59 +46,148 @@ SPECIAL = (PAD, EOS, BOS)
 EVAL_STREAM = 7
 
 
-class Task:
-    """Deterministic prompts per (seed, prompt id); rewards from the decoded response."""
+class LetterPrompts:
+    """The letters task's prompts: deterministic per (seed, prompt id), with no answer."""
 
-    def __init__(
-        self,
-        seed: int,
-        alphabet: int,
-        min_letters: int,
-        max_letters: int,
-        length_per_letter: int,
-        truncated_reward: float,
-        overshoot: float,
-        encode,
-        decode,
-    ) -> None:
-        """``encode(text) -> list[int]`` and ``decode(ids) -> str`` come from the tokenizer."""
+    def __init__(self, seed: int, alphabet: int, min_letters: int, max_letters: int) -> None:
         self.seed = seed
         self.alphabet = alphabet
         self.min_letters = min_letters
         self.max_letters = max_letters
-        self.length_per_letter = length_per_letter
-        self.truncated_reward = truncated_reward
-        self.overshoot = overshoot
-        self._encode = encode
-        self._decode = decode
 
-    def prompt_text(self, prompt_id: int, held_out: bool = False) -> str:
+    def text(self, prompt_id: int, held_out: bool = False) -> str:
         stream = EVAL_STREAM if held_out else 0
         rng = np.random.default_rng([self.seed, stream, prompt_id])
         k = int(rng.integers(self.min_letters, self.max_letters + 1))
         letters = rng.choice(self.alphabet, size=k, replace=False)
         return " ".join(LETTERS[i] for i in letters) + " " + SEP
 
+    def answer(self, prompt_id: int, held_out: bool = False) -> Optional[str]:
+        return None
+
+
+class FilePrompts:
+    """Prompts of a file (``task.prompts``): prompt id i is row i of a pass over the rows in an
+    order the seed shuffles anew each pass; held-out ids index ``eval_rows`` in file order."""
+
+    def __init__(self, rows: Sequence[PromptRow], eval_rows: Optional[Sequence[PromptRow]], seed: int) -> None:
+        self.rows = rows
+        self.eval_rows = eval_rows
+        self.seed = seed
+
+    def _row(self, prompt_id: int, held_out: bool) -> PromptRow:
+        if held_out:
+            if not self.eval_rows:
+                raise ValueError("held-out prompts of a prompts file come from task.eval_prompts, and none was given")
+            return self.eval_rows[prompt_id % len(self.eval_rows)]
+        epoch, i = divmod(prompt_id, len(self.rows))
+        return self.rows[int(_pass_order(self.seed, epoch, len(self.rows))[i])]
+
+    def text(self, prompt_id: int, held_out: bool = False) -> str:
+        return self._row(prompt_id, held_out).prompt
+
+    def answer(self, prompt_id: int, held_out: bool = False) -> Optional[str]:
+        return self._row(prompt_id, held_out).answer
+
+
+@lru_cache(maxsize=4)
+def _pass_order(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The row order of one pass; groups of two passes can be scored side by side."""
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+class LetterScore:
+    """The letters task's reward (``score_words``) as a reward function."""
+
+    def __init__(self, length_per_letter: int, truncated_reward: float, overshoot: float) -> None:
+        self.length_per_letter = length_per_letter
+        self.truncated_reward = truncated_reward
+        self.overshoot = overshoot
+
+    def __call__(self, prompt: str, response: str, answer: Optional[str], finished: bool) -> float:
+        return score_words(prompt, response.split(), finished, self.length_per_letter, self.truncated_reward, self.overshoot)
+
+
+def exact_match(prompt: str, response: str, answer: Optional[str], finished: bool) -> float:
+    """The reward of a prompts file without ``reward.fn``: 1 for a response that ended and
+    equals the answer, whitespace around either stripped; else 0."""
+    return float(finished and answer is not None and response.strip() == answer.strip())
+
+
+class CheckedReward:
+    """A user's reward function (``reward.fn``), its every result checked to be a finite number."""
+
+    def __init__(self, fn: Callable[..., float], name: str) -> None:
+        self.fn = fn
+        self.name = name
+
+    def __call__(self, prompt: str, response: str, answer: Optional[str], finished: bool) -> float:
+        r = self.fn(prompt=prompt, response=response, answer=answer, finished=finished)
+        if not isinstance(r, numbers.Real) or not math.isfinite(r):
+            raise ValueError(f"reward.fn {self.name} returned {r!r:.80} for prompt {prompt[:60]!r}: a reward is a finite number")
+        return float(r)
+
+
+class Task:
+    """Prompts as token ids, and the reward of a response, on one tokenizer.
+
+    A prompt is ``<bos>`` (when the tokenizer has one) and its text; a response ends at its
+    first end-of-sequence token, and its text before that token (special tokens as text) is
+    what ``score(prompt=, response=, answer=, finished=)`` is given.
+    """
+
+    def __init__(self, prompts, score: Callable[..., float], encode, decode, bos_id: Optional[int], eos_ids,
+                 max_positions: Optional[int] = None) -> None:
+        """``encode(text) -> list[int]`` and ``decode(ids) -> str`` come from the tokenizer;
+        ``max_positions``: the model's, which a file's prompts must leave room in."""
+        self.prompts = prompts
+        self.max_positions = max_positions
+        self.score = score
+        self._encode = encode
+        self._decode = decode
+        self._bos = [] if bos_id is None else [int(bos_id)]
+        self._eos = frozenset(int(e) for e in eos_ids)
+
+    def prompt_text(self, prompt_id: int, held_out: bool = False) -> str:
+        return self.prompts.text(prompt_id, held_out)
+
     def tokens(self, prompt_id: int, held_out: bool = False) -> np.ndarray:
         """The prompt's token ids, <bos> first."""
-        return np.asarray(self._encode(f"{BOS} " + self.prompt_text(prompt_id, held_out)), dtype=np.int64)
+        return np.asarray(self._bos + list(self._encode(self.prompt_text(prompt_id, held_out))), dtype=np.int64)
+
+    def check_lengths(self) -> None:
+        """Every prompt of a file leaves the model room for a response: ``ValueError`` naming
+        the first that does not (the letters task's are checked with the scenario)."""
+        if not isinstance(self.prompts, FilePrompts) or self.max_positions is None:
+            return
+        for key, rows in (("task.prompts", self.prompts.rows), ("task.eval_prompts", self.prompts.eval_rows or ())):
+            for row in rows:
+                n = len(self._bos) + len(self._encode(row.prompt))
+                if n >= self.max_positions:
+                    raise ValueError(f"{key}: the prompt of {row.where} is {n} tokens, leaving no room for a response in the "
+                                     f"model's {self.max_positions} positions; fix: shorten or drop it")
 
     def reward(self, prompt_id: int, response_tokens: Sequence[int], held_out: bool = False) -> float:
-        text = self._decode(list(response_tokens))
-        return score_text(
-            self.prompt_text(prompt_id, held_out), text, self.length_per_letter, self.truncated_reward, self.overshoot
+        ids = [int(t) for t in response_tokens]
+        end = next((i for i, t in enumerate(ids) if t in self._eos), None)
+        text = self._decode(ids if end is None else ids[:end])
+        return self.score(
+            prompt=self.prompt_text(prompt_id, held_out), response=text,
+            answer=self.prompts.answer(prompt_id, held_out), finished=end is not None,
         )
 
 
 def score_text(prompt: str, response: str, length_per_letter: int, truncated_reward: float, overshoot: float) -> float:
-    """The reward of one response text (words separated by spaces) to one prompt text."""
-    allowed = set(prompt.split()) - {SEP}
+    """The reward of one response text (words separated by spaces, ended by the word <eos>) to one prompt text."""
     words = response.split()
-    share = 1.0
-    if EOS in words:
-        words = words[: words.index(EOS)]
-    else:
-        share = truncated_reward
+    finished = EOS in words
+    return score_words(prompt, words[: words.index(EOS)] if finished else words, finished, length_per_letter, truncated_reward, overshoot)
+
+
+def score_words(prompt: str, words: list[str], finished: bool, length_per_letter: int, truncated_reward: float, overshoot: float) -> float:
+    """The letters reward of a response's words before <eos>; ``finished``: it had an <eos>."""
+    allowed = set(prompt.split()) - {SEP}
+    share = 1.0 if finished else truncated_reward
     if not words or share == 0.0:
         return 0.0
     in_prompt = sum(w in allowed for w in words) / len(words)

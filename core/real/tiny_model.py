@@ -5,8 +5,12 @@ Qwen2 config (head_dim >= 32, which vLLM's CPU attention needs), ``model.safeten
 word-level tokenizer trained with ``tokenizers`` on text of the task's language. The torch
 trainer, the torch engine and vLLM all load this same directory.
 
-The build is deterministic in its seed, and it is written aside and renamed into place,
-so a directory that exists is complete.
+The build is deterministic in its seed, and it is written aside (in a stamped temporary
+directory beside ``DIR``) and renamed into place, so a directory that exists is complete and a
+killed build leaves nothing at ``DIR``. It only ever writes a missing ``DIR`` or replaces one
+it built itself (stamped, core/model/owned.py): any other directory there is the user's, and
+is refused untouched. Models of one's own are loaded through ``model.path``
+(core/real/hf_model.py).
 """
 
 from __future__ import annotations
@@ -16,11 +20,10 @@ import json
 import logging
 import os
 import sys
-import threading
 from pathlib import Path
 
-from core.model.config import TinyModelSpec
-from core.model.owned import discard_owned, make_owned, remove_owned
+from core.model.config import TINY_MODEL_KIND, TinyModelSpec
+from core.model.owned import NotOwned, discard_owned, is_owned, make_owned, remove_owned
 from core.real.task import EOS, PAD, BOS, SPECIAL, corpus
 
 log = logging.getLogger(__name__)
@@ -31,14 +34,17 @@ STAMP = "asyncrl-tiny-model.json"
 
 
 def build(out: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
-    """Write the model directory ``out`` (replacing an older build of another spec)."""
+    """Write the model directory ``out``: a new one, or in place of an older build of asyncrl's
+    (another spec); ``NotOwned`` before anything is written if ``out`` is anything else."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     out = Path(out)
+    if (out.exists() or out.is_symlink()) and (out.is_symlink() or not is_owned(out, TINY_MODEL_KIND)):
+        raise NotOwned(f"{out}: exists and is not a tiny model asyncrl built; refusing to write into it (use it as model.path)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = make_owned(out.parent, f".{out.name}.", "tiny-model")
+    tmp = make_owned(out.parent, f".{out.name}.", TINY_MODEL_KIND)
     try:
         tok = Tokenizer(models.WordLevel(unk_token=PAD))
         tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -66,18 +72,19 @@ def build(out: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
         model = Qwen2ForCausalLM(cfg)
         model.save_pretrained(tmp)
         (tmp / STAMP).write_text(json.dumps({"build": BUILD_VERSION, "spec": _built_from(spec)}, sort_keys=True))
-        remove_owned(out, "tiny-model")  # an older build of ours; anything else at that path is the user's
+        remove_owned(out, TINY_MODEL_KIND)  # an older build of ours; anything else at that path is the user's
         os.replace(tmp, out)
     except BaseException:
-        discard_owned(tmp, "tiny-model")
+        discard_owned(tmp, TINY_MODEL_KIND)
         raise
     log.info("built tiny model in %s (%d parameters)", out, sum(p.numel() for p in model.parameters()))
     return out
 
 
 def is_built(out: str | Path, spec: TinyModelSpec) -> bool:
+    """``out`` holds asyncrl's build of ``spec``, complete (it was renamed into place whole)."""
     stamp = Path(out) / STAMP
-    if not stamp.is_file():
+    if not is_owned(Path(out), TINY_MODEL_KIND) or not stamp.is_file():
         return False
     try:
         meta = json.loads(stamp.read_text())
@@ -98,34 +105,16 @@ def ensure(out: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
     return Path(out)
 
 
-# transformers builds a model on the meta device under process-wide state: two threads
-# loading at once corrupt each other (a tied lm_head left on meta), so loads take turns.
-_LOAD_LOCK = threading.Lock()
-
-
-def load_model(model_dir: str | Path, **kwargs):
-    """``Qwen2ForCausalLM.from_pretrained`` in float32, safe to call from several threads."""
-    import torch
-    from transformers import Qwen2ForCausalLM
-
-    kwargs.setdefault("dtype", torch.float32)
-    with _LOAD_LOCK:
-        return Qwen2ForCausalLM.from_pretrained(str(model_dir), use_safetensors=True, **kwargs)  # never a pickle
-
-
-def load_tokenizer(model_dir: str | Path):
-    """The model directory's tokenizer (a ``PreTrainedTokenizerFast``)."""
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m core.real.tiny_model", description="Build the tiny local model.")
     p.add_argument("out", nargs="?", default=TinyModelSpec.model_fields["path"].default, help="model directory")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    ensure(args.out)
+    try:
+        ensure(args.out)
+    except NotOwned as exc:
+        log.error("error: %s", exc)
+        return 2
     return 0
 
 

@@ -54,12 +54,12 @@ def make_engine(sc: Scenario, name: str, threads: int, timeline: Optional[Timeli
     if sc.engine.kind == "torch":
         from core.real.engine_torch import TorchEngine  # imports torch: only a real run pays for it
 
-        return TorchEngine(name, sc.tiny_model.path, **common)
+        return TorchEngine(name, sc.real_model_path, **common)
     if sc.engine.kind == "vllm":
         return VllmEngine(
             name,
-            sc.tiny_model.path,
-            max_model_len=sc.tiny_model.max_positions,
+            sc.real_model_path,
+            max_model_len=sc.real_max_positions,
             kv_cache_gb=sc.engine.vllm_kv_cache_gb,
             gpu_memory_utilization=sc.engine.vllm_gpu_memory_utilization,
             **common,
@@ -73,7 +73,7 @@ def make_backend(sc: Scenario, threads: int):
 
     dev = device()
     backend = TorchTrainBackend(
-        sc.tiny_model.path, sc.learn, threads=threads, device=dev, seed=sc.seed, temperature=sc.engine.temperature
+        sc.real_model_path, sc.learn, threads=threads, device=dev, seed=sc.seed, temperature=sc.engine.temperature
     )
     backend.peak_flops = peak_flops(threads, dev)
     return backend

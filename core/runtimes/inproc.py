@@ -10,6 +10,7 @@ from typing import Optional
 
 from core.api import RunStopped
 from core.model.faults import WorkerLost, worker_key
+from core.model.progress import StepTrained
 from core.pipeline.wiring import System, end_rollout, release_unused
 from core.runtimes.run_checkpoint import due, restore_trainer, save_run
 from core.runtimes.supervision import FaultInjector, TrainerDied, strike, supervise_trainer
@@ -136,12 +137,12 @@ def _watch_steps(system: System, injector: FaultInjector, stop_at_step: Optional
     """Faults due after a step fire from the trainer's step callback; so does a planned stop."""
     user = system.trainer.on_step
 
-    def on_step(step: int, now: float, trainings: int) -> None:
+    def on_step(event: StepTrained) -> None:
         if user is not None:
-            user(step, now, trainings)
-        injector.on_step(step)
-        if stop_at_step is not None and step >= stop_at_step:
-            raise RunStopped(f"stopped after step {step}")
+            user(event)
+        injector.on_step(event.step)
+        if stop_at_step is not None and event.step >= stop_at_step:
+            raise RunStopped(f"stopped after step {event.step}")
 
     system.trainer.on_step = on_step
 

@@ -16,7 +16,7 @@ from core.model.timeline import Timeline
 from core.pipeline.wiring import ProgressFn, Workers, connect_components
 from core.real.evaluation import Evaluations
 from core.real.reward import TaskPrompts, TaskReward, make_task
-from core.real.tiny_model import ensure
+from core.real.hf_model import ensure_model_dir
 from core.real.workers import LocalWeightTransfer, apply_env, make_backend, make_engine
 from core.runtimes.inproc import drive
 from core.runtimes.run_checkpoint import restore_latest
@@ -28,7 +28,7 @@ ProcessesFn = Callable[[list[tuple[str, int]]], None]
 def local_workers(sc: Scenario, mode: str, timeline: Timeline) -> Workers:
     """Engines, trainer and reward in this process, each with the threads its devices give."""
     apply_env()
-    ensure(sc.tiny_model.path, sc.tiny_model)
+    ensure_model_dir(sc)  # the tiny model is built on first use
     place = Placement.of(sc, mode)
     engines = [
         make_engine(sc, f"engine{i:03d}", place.gpus_per_engine, timeline, seed=sc.seed * 1000 + i)

@@ -28,13 +28,14 @@ import logging
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from core.api import Batch, PauseMode
 from core.model.config import Placement, Scenario
 from core.model.faults import CallTimeout, FaultLog, FaultPlan, WorkerLost, worker_key
 from core.model.ledger import Ledger
+from core.model.progress import Progress
 from core.model.result import EngineCounters, RunResult, SyncCounters, TrainerCounters
 from core.model.sample import Group
 from core.model.timeline import Timeline
@@ -44,7 +45,7 @@ from core.pipeline.wiring import (
 )
 from core.real.evaluation import Evaluations
 from core.real.reward import ServeReward, TaskPrompts, TaskReward, deploy_reward, make_task
-from core.real.tiny_model import ensure
+from core.real.hf_model import ensure_model_dir
 from core.real.workers import REAL_RUNTIME_ENV, make_backend, make_engine
 from core.runtimes.local import ProcessesFn
 from core.runtimes.object_store_transfer import ObjectStoreTransfer
@@ -429,6 +430,7 @@ class TrainerHost:
         self.ledger = Ledger(trained_bound(sc, mode), reuse=sc.replay.enabled)
         self.trainer = None
         self.end_s = 0.0
+        self.told: list[Progress] = []  # steps and syncs since the driver last asked, on this actor's clock
 
     async def connect(self, rollout_offset: float) -> None:
         """Wire the trainer side; ``rollout_offset`` is the rollout actor's clock minus ours."""
@@ -438,6 +440,7 @@ class TrainerHost:
             sc, mode, workers, self.ledger, QueueProxy(self.rollout, rollout_offset),
             RolloutProxy(self.rollout, sc.timeouts.control_s, sc.timeouts.generate_s), self.timeline,
         )
+        self.trainer.on_step = self.param_sync.on_synced = self.told.append
         if not sc.checkpoint.every:
             return
 
@@ -467,9 +470,11 @@ class TrainerHost:
         await self.trainer.run(first if resync else None)
         self.end_s = loop.time()
 
-    def progress(self) -> tuple[int, float, int, int, Optional[float]]:
+    def progress(self) -> tuple[int, int, Optional[float], list[Progress]]:
+        """(step, version, when a restarted trainer resynced, what happened since the last call)."""
         t = self.trainer
-        return t.step, time.monotonic(), self.ledger.trainings, t.version, self.resynced_at
+        told, self.told[:] = list(self.told), []
+        return t.step, t.version, self.resynced_at, told
 
     def latest_weights(self) -> tuple[int, list]:
         return self.transfer.latest
@@ -579,8 +584,8 @@ def _run_ray(sc: Scenario, mode: str, on_step, on_processes, run_dir: str) -> Ru
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    ensure(sc.tiny_model.path, sc.tiny_model)
-    sc = sc.model_copy(update={"tiny_model": sc.tiny_model.model_copy(update={"path": os.path.abspath(sc.tiny_model.path)})})
+    ensure_model_dir(sc)  # the tiny model is built on first use
+    sc = sc.with_absolute_paths()  # actors may run elsewhere than this working directory
     with cluster(sc.ray.address, sc.ray.num_cpus, sc.reward.serve):  # started here unless already connected (the harness starts one per run)
         place = Placement.of(sc, mode)
         actors: list = []
@@ -679,10 +684,15 @@ async def _watch(sc: Scenario, mode: str, place: Placement, run: _Actors, on_ste
         finally:
             run.restarting = False
 
+    def tell(told: list) -> None:
+        if on_step is not None:
+            for event in told:
+                on_step(replace(event, at_s=event.at_s - run.off_trainer - t0))
+
     injector = FaultInjector(plan, fire)
     rolling = asyncio.ensure_future(_await(rollout.run.remote()))
     training = asyncio.ensure_future(supervise_trainer(train, restart, sc.recovery.max_restarts, died))
-    last_step = step = 0
+    step = 0
     try:
         while True:
             done, _ = await asyncio.wait({rolling, training}, timeout=sc.ray.poll_s, return_when=asyncio.FIRST_COMPLETED)
@@ -695,12 +705,10 @@ async def _watch(sc: Scenario, mode: str, place: Placement, run: _Actors, on_ste
             if run.restarting:
                 continue
             try:
-                step, now, trainings, version, resynced = await _timed(run.trainer.progress.remote(), control_s, "trainer", "progress")
+                step, version, resynced, told = await _timed(run.trainer.progress.remote(), control_s, "trainer", "progress")
                 if resynced is not None:
                     faults.recovered("trainer", resynced - run.off_trainer - t0)
-                if on_step is not None and step != last_step:
-                    on_step(step, now - run.off_trainer - t0, trainings)
-                    last_step = step
+                tell(told)
                 evals.poll(run.trainer, version, time.monotonic() - t0)
             except died:
                 pass  # the trainer is being restarted
@@ -710,6 +718,7 @@ async def _watch(sc: Scenario, mode: str, place: Placement, run: _Actors, on_ste
             task.cancel()
         await asyncio.gather(rolling, training, return_exceptions=True)
         raise
+    tell(ray.get(run.trainer.progress.remote(), timeout=control_s)[3])  # the steps since the last poll
     trained = ray.get(run.trainer.finish.remote(), timeout=control_s)
     rolled = ray.get(rollout.stop.remote(), timeout=sc.timeouts.generate_s)
     evals.finish(time.monotonic() - t0)

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import ray
@@ -48,8 +49,9 @@ from core.env.learner_checkpoint import LEARNER_KIND
 from core.env.wiring import EVAL_SEED, JOURNAL_KIND, beta_at, learner_threads, make_learner, make_policy, make_sampler, replay_args
 from core.model.env_config import EnvScenario
 from core.model.faults import FaultLog
+from core.model.progress import PolicyEvaluated, ProgressFn, VersionPublished
 from core.model.timeline import GENERATE, SEND, SYNC, TRAIN, Timeline
-from core.model.owned import discard_owned, keep_owned, make_owned, remove_owned
+from core.model.owned import discard_owned, keep_owned, make_owned, remove_owned, remove_stale
 from core.pipeline.param_sync import ParamSync
 from core.pipeline.staleness_queue import QueueClosed
 from core.runtimes.object_store_transfer import ObjectStoreTransfer
@@ -216,6 +218,7 @@ class LearnerHost:
         self._taken: list[int] = []  # PPO: keys of chunks taken since the last acknowledgement
         self._covered: list[int] = []  # PPO: those of the checkpoint this actor restarted from
         self.figures: list[dict] = []
+        self.told: list[VersionPublished] = []  # since the driver last asked; env steps are the driver's to fill in
         self.timeline = Timeline()
         self.store_retries = 0
         self.priority_updates_lost = 0  # sent to a replay that died before it applied them
@@ -301,6 +304,14 @@ class LearnerHost:
         """(version, [ObjectRef]) of the newest published weights."""
         return self.transfer.latest
 
+    def progress(self) -> list[VersionPublished]:
+        """The versions published since the last call, on ``time.time()``."""
+        told, self.told = self.told, []
+        return told
+
+    def _tell(self, figures: Optional[dict] = None) -> None:
+        self.told.append(VersionPublished(self.version, time.time(), 0, self.updates, figures or {}))
+
     async def run(self, store) -> dict:
         """Learn until the store closes."""
         if self.sc.learner == "ppo":
@@ -364,6 +375,7 @@ class LearnerHost:
                 # The queue first: it refuses a chunk acted by a version newer than its own.
                 await served(lambda: queue.set_version.remote(self.version), patience, self._retried)
                 await self.publish()
+                self._tell(figs)
                 self.timeline.add(ROW_LEARNER, SYNC, w1, time.time())
             if self.sc.durable_store() and (not every or (fresh and self.version % every == 0)):
                 # Awaited, and again while the queue restarts: a lost acknowledgement would have a
@@ -419,6 +431,7 @@ class LearnerHost:
                     if self._versioned():
                         return
                     await self.publish()
+                    self._tell()
                     self.timeline.add(ROW_LEARNER, SYNC, w1, time.time())
             self.update_s += self.holds.running(t1, clock())
             sent = replay.update_priorities.remote(slots, prio)
@@ -444,9 +457,15 @@ def evaluate_weights(sc: EnvScenario, seed: int, weights: dict[str, np.ndarray],
 _evaluate = ray.remote(num_cpus=0)(evaluate_weights)
 
 
+def _actor_pid(_actor) -> int:
+    """Run inside an actor (``__ray_call__``): its process."""
+    return os.getpid()
+
+
 def run_async(
     sc: EnvScenario, seed: int, *, stop_at_target: bool = True, eval_tasks: int = 2, poll_s: float = 0.2,
-    workdir: Optional[Path] = None, stop_at_version: Optional[int] = None,
+    workdir: Optional[Path] = None, stop_at_version: Optional[int] = None, on_progress: Optional[ProgressFn] = None,
+    on_processes: Optional[Callable[[list[tuple[str, int]]], None]] = None,
 ) -> EnvCurve:
     """One async run on the Ray instance this process is connected to.
 
@@ -455,7 +474,10 @@ def run_async(
     that finds a checkpoint there goes on from it (``--resume``). Otherwise a journaled store
     or a checkpointed learner uses a directory asyncrl creates and removes (under ``workdir``,
     or the system's temporary directory). ``stop_at_version``: stop once the learner has
-    checkpointed that version, as a crash would (``RunStopped``)."""
+    checkpointed that version, as a crash would (``RunStopped``). ``on_progress`` is told every
+    version the learner published (at the driver's next poll, with the env steps it saw then) and
+    every evaluation. ``on_processes([(name, pid)])`` is told the actors' processes once they
+    exist (for a profiler)."""
     e = sc.env
     check_fits(sc)
     keep = workdir is not None and bool(sc.checkpoint.every)
@@ -463,7 +485,9 @@ def run_async(
 
     def place(name: str, kind: str) -> Path:
         if not keep:
-            d = make_owned(Path(workdir or tempfile.gettempdir()), f".asyncrl-{name}-", kind)
+            root = Path(workdir or tempfile.gettempdir())
+            remove_stale(root, (kind,))  # what killed runs left there
+            d = make_owned(root, f".asyncrl-{name}-", kind)
             scratch.append((d, kind))
             return d
         return keep_owned(Path(workdir) / name, kind)
@@ -496,6 +520,9 @@ def run_async(
         max_restarts=sc.ray.max_restarts if learner_dir is not None else 0,
     ).remote(sc, seed, str(learner_dir) if learner_dir is not None else None, stop_at_version)
     actors = [store, learner, *samplers]
+    if on_processes is not None:
+        pids = ray.get([a.__ray_call__.remote(_actor_pid) for a in actors])
+        on_processes(list(zip(["replay" if sc.learner == "dqn" else "queue", "learner", *(f"sampler-{i}" for i in range(len(samplers)))], pids)))
     d = resumed or DriverState()
     curve = EnvCurve(env_steps=d.eval_env_steps, wall_s=d.eval_wall_s, eval_return=d.eval_return,
                      evaluations_lost=d.evaluations_lost)
@@ -523,11 +550,21 @@ def run_async(
         per_sampler = -(-e.env_steps // e.samplers)
         runs = [s.run.remote(store, per_sampler) for s in samplers]
         learning = learner.run.remote(store)
-        evals: dict[Any, tuple[int, float]] = {}  # task group -> (env steps, wall s when the weights were taken)
+        evals: dict[Any, tuple[int, float, int]] = {}  # task group -> (env steps, wall s when the weights were taken, version)
         pending: dict[int, list] = {}
         next_eval = d.next_eval or e.eval_every
         steps = 0
         store_down_since: Optional[float] = None
+
+        def tell_versions(steps: int) -> None:
+            if on_progress is None:
+                return
+            try:
+                told = ray.get(learner.progress.remote(), timeout=patience)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                return  # restarting: what it published since the last poll died with it
+            for v in told:
+                on_progress(replace(v, at_s=held.running(t0, v.at_s), env_steps=steps))
 
         def save_driver() -> None:
             if driver_file is not None:
@@ -571,6 +608,7 @@ def run_async(
                     raise StoreLost(f"the replay actor has not answered for {patience:g} s after it died; fix: raise "
                                     "ray.recovery_timeout_s if it only restarts slowly, or ray.max_restarts if it died again") from None
                 continue
+            tell_versions(steps)
             killed = False
             for k, f in enumerate(sc.faults):
                 if k not in fired and steps >= f.at_env_steps:
@@ -587,26 +625,26 @@ def run_async(
                     _tell(actors, "hold", patience)
                     held.hold(time.time())
                 try:
-                    _, refs = ray.get(learner.latest.remote())
+                    version, refs = ray.get(learner.latest.remote())
                 except ray.exceptions.RayActorError:
                     refs = []  # the learner is restarting: evaluate at a later poll
                 if refs:
                     (ref,) = refs
                     next_eval = (steps // e.eval_every + 1) * e.eval_every
                     key = len(evals)
-                    evals[key] = (steps, elapsed())
+                    evals[key] = (steps, elapsed(), version)
                     share = -(-e.eval_episodes // eval_tasks)
                     pending[key] = [
                         _evaluate.remote(sc, seed, ref, min(share, e.eval_episodes - i * share), i)
                         for i in range(eval_tasks) if e.eval_episodes - i * share > 0
                     ]
                 if e.hold_for_eval:
-                    _collect(pending, evals, curve, e.target_return, wait=True)
+                    _collect(pending, evals, curve, e.target_return, wait=True, on_progress=on_progress)
                     held.end(time.time())
                     _tell(actors, "end_hold", patience)
                 if not refs:
                     continue
-            reached = _collect(pending, evals, curve, e.target_return, wait=False) and stop_at_target
+            reached = _collect(pending, evals, curve, e.target_return, wait=False, on_progress=on_progress) and stop_at_target
             if reached or len(done) == len(runs):
                 break
         for s in samplers:
@@ -614,8 +652,9 @@ def run_async(
         _served(lambda: store.close.remote(), patience, "replay.close")  # releases a sampler or the learner waiting on the store
         sampled = [_sampler_result(i, ref, samplers[i], restarts, store, learner, patience, ppo) for i, ref in enumerate(runs)]
         learned = ray.get(learning)
+        tell_versions(steps)  # those since the last poll
         curve.train_s = elapsed()
-        _collect(pending, evals, curve, e.target_return, wait=True)
+        _collect(pending, evals, curve, e.target_return, wait=True, on_progress=on_progress)
         curve.updates, curve.versions, curve.policy_lag = learned["updates"], learned["versions"], learned["policy_lag"]
         curve.learner = {k: learned[k] for k in (
             "update_s", "sample_wait_s", "store_retries", "priority_updates_lost", "publish_s", "put_s", "weight_bytes",
@@ -821,8 +860,9 @@ def check_fits(sc: EnvScenario) -> None:
         )
 
 
-def _collect(pending: dict, evals: dict, curve: EnvCurve, target: float, wait: bool) -> bool:
-    """Move finished evaluations into the curve, in launch order; True once one reached ``target``."""
+def _collect(pending: dict, evals: dict, curve: EnvCurve, target: float, wait: bool, on_progress: Optional[ProgressFn] = None) -> bool:
+    """Move finished evaluations into the curve, in launch order (``on_progress`` told each); True
+    once one reached ``target``."""
     for key in sorted(pending):
         refs = pending[key]
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=None if wait else 0)
@@ -836,10 +876,12 @@ def _collect(pending: dict, evals: dict, curve: EnvCurve, target: float, wait: b
             curve.evaluations_lost += 1
             del pending[key]
             continue
-        steps, wall = evals[key]
+        steps, wall, version = evals[key]
         curve.env_steps.append(steps)
         curve.wall_s.append(wall)
         curve.eval_return.append(float(returns.mean()))
         log.info("env steps %d: evaluation return %.1f", steps, returns.mean())
+        if on_progress is not None:
+            on_progress(PolicyEvaluated(version, wall, steps, float(returns.mean())))
         del pending[key]
     return any(r >= target for r in curve.eval_return)

@@ -9,6 +9,7 @@ once, only when ``sim.row_bytes`` or ``sim.param_bytes`` is left to be derived f
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import numpy as np
 
@@ -17,6 +18,7 @@ from core.env.sync_loop import EnvCurve
 from core.env.wiring import env_space, replay_spec
 from core.model.config import ConfigError
 from core.model.env_config import EnvScenario
+from core.model.progress import ProgressFn
 from core.sim import virtual_clock
 from core.sim.env_pipeline import EnvPipelineSim, EnvSimResult
 
@@ -48,12 +50,12 @@ def make_limiter(sc: EnvScenario) -> RateLimiter:
     return RateLimiter(r.samples_per_insert, r.min_size_to_sample, sc.error_buffer(), sc.max_chunk_rows(), sc.max_sample_rows())
 
 
-def run_env_sim(sc: EnvScenario, mode: str, seed: int) -> EnvCurve:
+def run_env_sim(sc: EnvScenario, mode: str, seed: int, on_progress: Optional[ProgressFn] = None) -> EnvCurve:
     """One mode on the virtual clock, as an ``EnvCurve`` with no evaluations; the sim's own
-    figures are in ``curve.replay["sim"]``."""
+    figures are in ``curve.replay["sim"]``. ``on_progress`` is told every version published."""
     row_bytes, param_bytes = sim_sizes(sc)
     limiter = make_limiter(sc)
-    sim = EnvPipelineSim(sc, mode, seed, limiter, row_bytes, param_bytes)
+    sim = EnvPipelineSim(sc, mode, seed, limiter, row_bytes, param_bytes, on_progress)
     try:
         res = virtual_clock.run(sim.run())
     except virtual_clock.SimulationStalled as exc:

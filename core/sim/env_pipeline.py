@@ -30,9 +30,10 @@ import asyncio
 import random
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol
+from typing import Optional, Protocol
 
 from core.model.env_config import EnvScenario
+from core.model.progress import ProgressFn, VersionPublished
 
 # Seeds of each sampler's jitter, apart from every other stream of a run.
 JITTER_SEED = 3_000
@@ -122,10 +123,12 @@ class EnvSimResult:
 class EnvPipelineSim:
     """One run of the env pipeline on modelled costs; ``run`` inside a virtual-clock loop."""
 
-    def __init__(self, sc: EnvScenario, mode: str, seed: int, limiter: Limiter, row_bytes: int, param_bytes: int) -> None:
+    def __init__(self, sc: EnvScenario, mode: str, seed: int, limiter: Limiter, row_bytes: int, param_bytes: int,
+                 on_progress: Optional[ProgressFn] = None) -> None:
         if mode not in ("sync", "async"):
             raise ValueError(f"mode {mode!r}: the env pipeline runs sync or async")
         self.sc, self.mode, self.seed, self.limiter = sc, mode, seed, limiter
+        self.on_progress = on_progress  # told every version published
         s, e = sc.sim, sc.env
         self.row_bytes, self.param_bytes = row_bytes, param_bytes
         self.bytes_per_s = s.nic_gbit_s * 1e9 / 8
@@ -187,11 +190,13 @@ class EnvPipelineSim:
                 lim.sampled(b)
                 n += 1
             r.updates += n
-            r.versions = r.updates // sc.dqn.publish_every
+            published, r.versions = r.versions, r.updates // sc.dqn.publish_every
             r.learner_s["update_s"] += n * s.learner_update_s
             replay_s = s.replay_call_s + rows * s.replay_insert_row_s + n * (s.replay_call_s + b * s.replay_sample_row_s)
             self.replay.busy_s += replay_s
             await sleep_until(loop, loop.time() + replay_s + n * s.learner_update_s)
+            for v in range(published + 1, r.versions + 1):  # the turn's versions, told once it ends
+                self._published(v, v * sc.dqn.publish_every)
         r.train_s = loop.time()
 
     # ---- async --------------------------------------------------------------------------
@@ -301,8 +306,14 @@ class EnvPipelineSim:
                         self.version += 1
                         r.versions = self.version
                         self.held[0] = (self.version, loop.time())
+                        self._published(self.version, r.updates)
         finally:
             incoming.cancel()
+
+    def _published(self, version: int, updates: int) -> None:
+        if self.on_progress is not None:
+            at = asyncio.get_running_loop().time()
+            self.on_progress(VersionPublished(version, at, self.r.env_steps, updates))
 
     def _draw(self, rng: random.Random) -> float:
         j = self.sc.sim.jitter

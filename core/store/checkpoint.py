@@ -34,7 +34,7 @@ import numpy as np
 
 from core.model.group_wire import from_record, to_record
 from core.model.sample import Group
-from core.model.owned import discard_owned, is_owned, make_owned, remove_owned
+from core.model.owned import discard_owned, is_owned, make_owned, remove_owned, remove_stale, umask_mode
 from core.model.regular_file import UnreadableFile, read_regular
 from ext import codec
 
@@ -49,6 +49,8 @@ SLOTS = ("queued", "interrupted", "retry", "holding")
 # Far above any real checkpoint; bounds what a crafted header can make a reader allocate.
 MAX_RECORDS = 1 << 24
 MAX_FILE_BYTES = 1 << 40  # what a checkpoint file may be: only a bound on what a wrong file makes a reader take
+# The suffix of a file write_atomic has not yet renamed into place: one a killed process left.
+PARTIAL = ".partial"
 
 
 class CheckpointError(Exception):
@@ -155,8 +157,9 @@ def _read_state(rec: codec.Sample, snap: Snapshot) -> None:
 def write_atomic(path: Path, data: bytes) -> None:
     """Write, fsync, rename, fsync the directory: the file is there whole or not at all."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=PARTIAL, dir=path.parent)
     try:
+        os.fchmod(fd, umask_mode(0o666))  # mkstemp's 0600 would hide the file from its readers
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -186,6 +189,7 @@ def save(root: Path, step: int, snap: Snapshot, tensors: Optional[dict[str, dict
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
+    remove_stale(root, ("checkpoint",))
     tmp = make_owned(root, f".{final.name}.", "checkpoint")
     try:
         write_atomic(tmp / STATE_FILE, encode(snap))

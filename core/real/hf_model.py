@@ -1,0 +1,51 @@
+"""The model directory of the real runtimes, and loading it: the tiny model asyncrl builds, or
+any local Hugging Face causal-LM directory given as ``model.path``.
+
+Every loader here reads the directory only (``local_files_only``; nothing is downloaded, no
+code from the directory is run, weights from safetensors only, never a pickle), and the same
+loaders serve the trainer, the torch engine, the evaluators and the reward's tokenizer (vLLM
+is given the path).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from core.model.config import TINY_MODEL_KIND, Scenario
+from core.model.owned import is_owned
+from core.real.tiny_model import ensure
+
+# transformers builds a model on the meta device under process-wide state: two threads
+# loading at once corrupt each other (a tied lm_head left on meta), so loads take turns.
+_LOAD_LOCK = threading.Lock()
+
+
+def ensure_model_dir(sc: Scenario) -> Path:
+    """The directory the scenario's real run loads: ``model.path`` as it is, else the tiny
+    model, built first unless asyncrl already built it."""
+    if sc.model.path is not None:
+        return Path(sc.model.path)
+    return ensure(sc.tiny_model.path, sc.tiny_model)
+
+
+def load_model(path: str | Path, **kwargs):
+    """``AutoModelForCausalLM.from_pretrained`` of a local directory, float32 unless told,
+    safe to call from several threads."""
+    import torch  # imported on use: a sim run never pays for torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs.setdefault("dtype", torch.float32)
+    with _LOAD_LOCK:
+        return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, use_safetensors=True, **kwargs)
+
+
+def load_tokenizer(path: str | Path):
+    """The directory's tokenizer: ``AutoTokenizer``, local files only. The tiny model's is read
+    as the plain tokenizer.json it is: AutoTokenizer would take its model type, qwen2, for
+    Qwen2's byte-level tokenizer and decode its words without the spaces between them."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if is_owned(Path(path), TINY_MODEL_KIND):
+        return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -1,0 +1,288 @@
+"""Each mode's figures while it runs: ``<mode>/metrics.jsonl``, a line per event appended and
+flushed as it happens, and the same figures to every logger the scenario lists
+(``report.loggers``: TensorBoard, W&B, MLflow).
+
+A line is one JSON object; ``time_s`` is the run's clock (simulated seconds on the sim, else
+seconds since the mode started), ``unix_s`` when the line was written. Its ``event``:
+
+- ``step`` (a trainer step): ``step``, ``version`` (of the weights it trained), the run's totals
+  so far as report.json names them (``samples/trainings``, ``samples/trained``, ``tokens/trained``,
+  ``staleness/mean``, ``staleness/max``), the step's own ``step/samples`` and
+  ``step/staleness_mean``, and every figure the trainer reported of it as ``train/<name>``
+  (``train/tokens``; a real run's ``train/loss``, ``train/reward_mean``, ...).
+- ``sync`` (rollout took new weights): ``version``, ``sync/pause_s``, ``sync/drain_s``, ``sync/transfer_s``.
+- ``publish`` (an env learner's new version): ``version``, ``env/steps``, ``learner/updates``, and
+  its batch's figures as ``learner/<name>`` where it keeps any (PPO).
+- ``eval`` (an env policy evaluated): ``version``, ``env/steps``, ``eval/return``.
+
+The loggers plot steps against ``step``, syncs against ``version``, an env run against ``env/steps``.
+A resumed mode cuts metrics.jsonl back to what happened before its checkpoint, and gives the
+loggers that history again (TensorBoard's event files are written anew; W&B and MLflow get a new run).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import math
+import numbers
+import os
+import time
+from pathlib import Path
+from typing import Optional, Protocol
+
+from core.model.progress import PolicyEvaluated, Progress, StepTrained, VersionPublished, WeightsSynced
+from core.store.checkpoint import write_atomic
+from harness.scenario import ScenarioError
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_FILES = "events.out.tfevents.*"
+# The module each logger imports, and how to install it.
+PACKAGES = {
+    "tensorboard": ("tensorboardX", "pip install tensorboardX"),
+    "wandb": ("wandb", "pip install wandb"),
+    "mlflow": ("mlflow", "pip install mlflow-skinny"),
+}
+# Each kind of line's x-axis in the loggers.
+AXIS = {"step": "step", "sync": "version", "publish": "env/steps", "eval": "env/steps"}
+TENSORBOARD_FLUSH_S = 2  # TensorBoard's own reload period is 30 s: this is live enough
+TENSORBOARD_QUEUE = 100  # events the writer's thread may lag behind before a step waits for it
+
+
+def check_loggers(loggers: tuple[str, ...]) -> None:
+    """Every logger listed can be imported; else one line naming it and its install (before anything runs)."""
+    for name in loggers:
+        module, install = PACKAGES[name]
+        if importlib.util.find_spec(module) is None:
+            raise ScenarioError(f"report.loggers = {list(loggers)}: {name} is not installed; fix: {install}, "
+                                f"or drop {name} from report.loggers")
+
+
+def as_line(event: Progress) -> dict:
+    """The line of metrics.jsonl that tells ``event``."""
+    if isinstance(event, StepTrained):
+        line = {
+            "event": "step", "step": event.step, "version": event.version, "time_s": event.at_s,
+            "samples/trainings": event.trainings, "samples/trained": event.trained, "tokens/trained": event.tokens,
+            "staleness/mean": event.staleness_total / event.trainings if event.trainings else 0.0,
+            "staleness/max": event.staleness_max,
+            "step/samples": event.samples,
+            "step/staleness_mean": event.staleness_sum / event.samples if event.samples else 0.0,
+        }
+        line.update(_scalars("train/", event.figures))
+    elif isinstance(event, WeightsSynced):
+        line = {"event": "sync", "version": event.version, "time_s": event.at_s, "sync/pause_s": event.pause_s,
+                "sync/drain_s": event.drain_s, "sync/transfer_s": event.transfer_s}
+    elif isinstance(event, VersionPublished):
+        line = {"event": "publish", "version": event.version, "time_s": event.at_s, "env/steps": event.env_steps,
+                **_scalars("learner/", event.figures), "learner/updates": event.updates}
+    elif isinstance(event, PolicyEvaluated):
+        line = {"event": "eval", "version": event.version, "time_s": event.at_s, "env/steps": event.env_steps,
+                "eval/return": _finite(event.eval_return)}
+    else:
+        raise TypeError(f"not a progress event: {event!r}")
+    line["unix_s"] = round(time.time(), 3)
+    return line
+
+
+def plotted(line: dict) -> tuple[str, int, dict[str, float]]:
+    """(x-axis name, x, scalars by tag) of a line, as the loggers plot it. A name without a
+    namespace takes its event's: ``time_s`` of a step is ``step/time_s``."""
+    kind = line["event"]
+    axis = AXIS[kind]
+    scalars = {}
+    for key, value in line.items():
+        if key in ("event", "unix_s", axis) or value is None:
+            continue
+        scalars[key if "/" in key else f"{kind}/{key}"] = float(value)
+    return axis, int(line[axis]), scalars
+
+
+class Sink(Protocol):
+    """A logger: takes each line's scalars at its x; ``close`` once the mode ended (or failed)."""
+
+    def write(self, axis: str, x: int, scalars: dict[str, float], unix_s: float) -> None: ...
+
+    def close(self, failed: bool) -> None: ...
+
+
+class TensorBoardSink:
+    """Event files in the mode's own directory, so ``tensorboard --logdir RUN`` shows one run per
+    mode (and seed, and variant), named by its path."""
+
+    def __init__(self, where: Path) -> None:
+        tensorboardx = importlib.import_module("tensorboardX")
+        self.summary = importlib.import_module("tensorboardX.proto.summary_pb2").Summary
+        self.writer = tensorboardx.FileWriter(str(where), max_queue=TENSORBOARD_QUEUE, flush_secs=TENSORBOARD_FLUSH_S)
+
+    def write(self, axis: str, x: int, scalars: dict[str, float], unix_s: float) -> None:
+        # One event per line holding all its scalars: the writer hands each event to its thread
+        # through a pipe, and an event per scalar (SummaryWriter.add_scalar) cost a millisecond a step.
+        values = [self.summary.Value(tag=tag, simple_value=value) for tag, value in scalars.items()]
+        if values:
+            self.writer.add_summary(self.summary(value=values), global_step=x, walltime=unix_s)
+
+    def close(self, failed: bool) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """A W&B run per mode, in the scenario's group; its files under ``RUN/wandb``. W&B itself reads
+    ``WANDB_MODE`` (``offline``: nothing leaves the machine; ``wandb sync`` uploads later),
+    ``WANDB_PROJECT`` (else ``asyncrl``) and the login."""
+
+    def __init__(self, root: Path, name: str, group: str, mode: str, config: dict) -> None:
+        self.wandb = importlib.import_module("wandb")
+        self.run = self.wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "asyncrl"), name=name, group=group, job_type=mode, dir=str(root),
+            config=config, reinit="create_new", settings=self.wandb.Settings(console="off"),  # the harness owns the terminal
+        )
+        self.defined: set[str] = set()
+
+    def write(self, axis: str, x: int, scalars: dict[str, float], unix_s: float) -> None:
+        # W&B's own step counts calls; each figure is plotted against its line's axis instead.
+        x_name = f"axis/{axis.replace('/', '_')}"
+        for key in (x_name, *scalars):
+            if key not in self.defined:
+                if key == x_name:
+                    self.run.define_metric(key)
+                else:
+                    self.run.define_metric(key, step_metric=x_name)
+                self.defined.add(key)
+        self.run.log({x_name: x, **scalars})
+
+    def close(self, failed: bool) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
+
+
+class MlflowSink:
+    """An MLflow run per mode in the scenario's experiment: in ``RUN/mlruns`` (a file store; ``mlflow
+    ui --backend-store-uri RUN/mlruns``) unless ``MLFLOW_TRACKING_URI`` names a store or server."""
+
+    def __init__(self, root: Path, name: str, experiment: str, tags: dict[str, str]) -> None:
+        mlflow = importlib.import_module("mlflow")
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if uri is None:
+            # MLflow 3 keeps its file store, the one local store mlflow-skinny can write, behind this opt-in.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            uri = (root / "mlruns").resolve().as_uri()
+        self.metric = mlflow.entities.Metric
+        self.client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+        found = self.client.get_experiment_by_name(experiment)
+        experiment_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
+        self.run_id = self.client.create_run(experiment_id, run_name=name, tags=tags).info.run_id
+
+    def write(self, axis: str, x: int, scalars: dict[str, float], unix_s: float) -> None:
+        ms = int(unix_s * 1000)
+        self.client.log_batch(self.run_id, metrics=[self.metric(k, v, ms, x) for k, v in scalars.items()])
+
+    def close(self, failed: bool) -> None:
+        self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
+
+
+class MetricsStream:
+    """One mode's live figures: ``record`` each event as it happens (the runtimes' progress
+    callback); a context manager that closes every sink when the mode ends.
+
+    ``where``: the mode's directory; ``root``: the run's (W&B's and MLflow's files); ``name``:
+    the mode's run in W&B and MLflow (scenario, variant, seed, mode); ``resume``: the mode goes on
+    from a checkpoint, its metrics.jsonl to be cut back to it."""
+
+    def __init__(self, where: Path, loggers: tuple[str, ...], *, root: Path, name: str, group: str, mode: str,
+                 config: dict, resume: bool = False) -> None:
+        self.path = where / METRICS_FILE
+        self.earlier: Optional[list[dict]] = _read_lines(self.path) if resume else None
+        if resume:
+            for old in where.glob(TENSORBOARD_FILES):  # written anew from the history kept
+                old.unlink()
+        self.sinks: list[Sink] = []
+        try:
+            for logger in loggers:
+                if logger == "tensorboard":
+                    self.sinks.append(TensorBoardSink(where))
+                elif logger == "wandb":
+                    self.sinks.append(WandbSink(root, name, group, mode, config))
+                else:
+                    self.sinks.append(MlflowSink(root, name, group, {"mode": mode, "scenario": group}))
+            self.file = open(self.path, "a" if resume else "w", encoding="utf-8")
+        except BaseException:
+            self._close_sinks(failed=True)
+            raise
+
+    def __enter__(self) -> "MetricsStream":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(failed=exc_type is not None)
+
+    def record(self, event: Progress) -> None:
+        line = as_line(event)
+        if self.earlier is not None:
+            self._resumed(_position(line))
+        self._write(line)
+
+    def close(self, failed: bool = False) -> None:
+        if self.earlier is not None:  # resumed, and nothing happened since: the whole history stands
+            self._resumed(None)
+        self.file.close()
+        self._close_sinks(failed)
+
+    def _resumed(self, first: Optional[tuple]) -> None:
+        """Keep what happened before the checkpoint the mode went on from (``first``: the
+        position of its first event since), and give the loggers that history again."""
+        kept = [line for line in self.earlier if first is None or _position(line) < first]
+        self.earlier = None
+        self.file.close()
+        write_atomic(self.path, "".join(json.dumps(line) + "\n" for line in kept).encode())
+        self.file = open(self.path, "a", encoding="utf-8")
+        for line in kept:
+            self._plot(line)
+
+    def _write(self, line: dict) -> None:
+        self.file.write(json.dumps(line) + "\n")
+        self.file.flush()  # a reader sees every finished line while the run goes
+        self._plot(line)
+
+    def _plot(self, line: dict) -> None:
+        axis, x, scalars = plotted(line)
+        for sink in self.sinks:
+            sink.write(axis, x, scalars, line["unix_s"])
+
+    def _close_sinks(self, failed: bool) -> None:
+        for sink in self.sinks:
+            sink.close(failed)
+        self.sinks = []
+
+
+def _read_lines(path: Path) -> list[dict]:
+    """The lines a stopped run wrote, up to one a kill cut short."""
+    rows = []
+    for text in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(text))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
+def _position(line: dict) -> tuple:
+    """Where a line falls in its run: by version, a version's sync (or publication) before its
+    steps (or evaluations), then along its axis."""
+    version = line.get("version")
+    return (-1 if version is None else version, 0 if line["event"] in ("sync", "publish") else 1, line[AXIS[line["event"]]])
+
+
+def _scalars(prefix: str, figures: dict) -> dict:
+    """The figures that are one number each, named under ``prefix``."""
+    return {prefix + k: _finite(v) for k, v in figures.items() if isinstance(v, numbers.Real)}
+
+
+def _finite(v: numbers.Real) -> Optional[float | int]:
+    """JSON has no NaN or infinity: such a figure is written as null."""
+    if isinstance(v, bool):
+        return int(v)
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    v = float(v)
+    return v if math.isfinite(v) else None
