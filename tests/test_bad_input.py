@@ -141,6 +141,20 @@ def _unreadable(d: Path) -> Path:
     return d / "scenario.yaml"
 
 
+def _model_dir_fifo(d: Path) -> Path:
+    """model.path at a directory whose config.json is a FIFO: read for the sim's figures, it would block."""
+    (d / "model").mkdir()
+    os.mkfifo(d / "model" / "config.json")
+    (d / "s.yaml").write_text(f"name: bad\nmodel: {{path: {d / 'model'}}}\n")
+    return d / "s.yaml"
+
+
+def _lengths_fifo(d: Path) -> Path:
+    os.mkfifo(d / "lengths.json")
+    (d / "s.yaml").write_text(f"name: bad\nworkload: {{lengths: {d / 'lengths.json'}}}\n")
+    return d / "s.yaml"
+
+
 def _bomb(last: str) -> bytes:
     """'Billion laughs': nine levels of nine aliases each, 9**9 values once expanded."""
     lines = ['l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
@@ -173,6 +187,8 @@ BUILT = [
     ("alias_bomb", _write("s.yaml", _bomb("name: bad")), ["line 6, column 10", "once its aliases (*name) are expanded", "fix:"]),
     ("alias_bomb_in_a_known_key", _write("s.yaml", _bomb("seeds: *l8")), ["once its aliases", "fix:"]),
     ("undefined_alias", _write("s.yaml", b"name: *nowhere\n"), ["line 1, column 7", "not valid YAML", "found undefined alias"]),
+    ("model_config_a_fifo", _model_dir_fifo, ["model.path", "config.json is unreadable: it is not a regular file (a FIFO", "fix:"]),
+    ("lengths_file_a_fifo", _lengths_fifo, ["workload.lengths", "is not a regular file", "fix:"]),
     ("duplicate_key_deep_in_a_list", _write("s.yaml", b"name: bad\nfaults:\n  - {kind: kill, kind: slow, at_s: 1}\n"),
      ["line 3, column 18", "'kind' is given twice", "fix:"]),
 ]

@@ -54,7 +54,7 @@ MAX_INT = 2**53
 """Any whole number: the largest a JSON report carries exactly (a float64's mantissa)."""
 MAX_FLOAT = 1e9
 """Any real number's magnitude: a billion seconds is 31 years, a billion GB/s or TFLOP/s beyond any device."""
-ECHO_CHARS = 60  # the most of a value an error message repeats
+ECHO_CHARS = 200  # the most of a value an error message repeats: a path whole, never a megabyte
 
 
 _SHORT = reprlib.Repr()

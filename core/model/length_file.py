@@ -100,6 +100,6 @@ def _load(path: str, mtime_ns: int) -> EmpiricalLengths:
 def read_lengths(path: str) -> EmpiricalLengths:
     """The distribution in ``path`` (relative to the working directory); LengthFileError if bad."""
     p = Path(path)
-    if not p.is_file():
-        raise LengthFileError("no such file")
+    if not p.is_file():  # a FIFO is refused here too: reading one would block forever
+        raise LengthFileError("no such file" if not p.exists() else "is not a regular file (a directory, FIFO or device)")
     return _load(str(p.resolve()), p.stat().st_mtime_ns)

@@ -16,8 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from core.model.regular_file import UnreadableFile, read_regular
+
 # The safetensors library refuses headers above this size; so does this reader.
 MAX_HEADER_BYTES = 100_000_000
+CONFIG_BYTES = 1 << 24  # a config.json is a few KB; a multimodal one with its processors, a few hundred
 # What a dtype named in config.json ("torch_dtype", newer "dtype") or a safetensors header takes per element.
 DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -135,14 +138,19 @@ def check_loadable(path: str | Path) -> None:
 
 
 def _config(file: Path) -> dict:
+    if not file.exists() and not file.is_symlink():
+        raise ModelDirError("holds no config.json: not a Hugging Face model directory")
     try:
-        cfg = json.loads(file.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ModelDirError("holds no config.json: not a Hugging Face model directory") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ModelDirError(f"config.json is unreadable ({type(exc).__name__}: {exc})") from None
-    except ValueError as exc:
-        raise ModelDirError(f"config.json is not JSON ({exc})") from None
+        # A regular file of bounded size only: a FIFO named config.json would block the read forever.
+        data = read_regular(file, CONFIG_BYTES, "give a local Hugging Face model directory")
+    except UnreadableFile as exc:
+        raise ModelDirError(f"config.json is unreadable: it {exc.problem}") from None
+    try:
+        cfg = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ModelDirError(f"config.json is unreadable (not UTF-8 at byte {exc.start})") from None
+    except (ValueError, RecursionError) as exc:
+        raise ModelDirError(f"config.json is not JSON ({str(exc)[:80]})") from None
     if not isinstance(cfg, dict):
         raise ModelDirError("config.json does not hold a JSON object")
     return cfg
