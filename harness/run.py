@@ -31,6 +31,7 @@ from rich.logging import RichHandler
 from core.real.workers import apply_env
 from core.runtimes.dispatch import run_mode
 from core.api import RunStopped
+from core.model.faults import RestartsExhausted
 from core.runtimes.ray import cluster
 from core.runtimes.run_checkpoint import load_run, scenario_digest
 from core.store.checkpoint import CheckpointError
@@ -129,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         where.release()
         console.print(f"{exc}; its checkpoints are in {out}. Go on with: python -m harness.run --resume {out}", highlight=False)
         return 0
+    except RestartsExhausted as exc:  # settings a run proved unworkable (calls that always time out): one line, not a traceback
+        kept = where.abandon(keep=resumable)
+        err.print(f"[bold red]error:[/] {escape(str(exc))}" + (f" (checkpoints kept in {where.out})" if kept else ""),
+                  highlight=False, soft_wrap=True)
+        return 1
     except KeyboardInterrupt:  # Ctrl-C: one line on what is left, not the traceback of wherever the run was
         return _interrupted(where.out if where.abandon(keep=resumable) else None, err)
     except BaseException:

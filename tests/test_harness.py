@@ -207,3 +207,15 @@ def test_only_the_ownership_gate_removes_directories():
     calls = [(p, n) for r in roots for p in r.rglob("*.py") for n, line in enumerate(p.read_text().splitlines(), 1)
              if "rmtree(" in line and not line.lstrip().startswith("#")]
     assert [p.name for p, _ in calls] == ["owned.py"], calls
+
+
+def test_a_run_that_exhausts_its_restarts_ends_in_one_error_line(tmp_path, capsys):
+    # Calls that always run past their timeout: only running shows it, so no exit 2 up front,
+    # but the end is one line with the fix, not a traceback, and nothing half-written is left.
+    out = tmp_path / "run"
+    assert main([QUICK, "--out", str(out), "--no-plots", *sets(*SMALL, "modes=[async]", "timeouts.generate_s=30")]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = " ".join(err.strip().split("error:")[-1].split())
+    assert err.count("error:") == 1 and "more than recovery.max_restarts" in last and "fix: raise timeouts.generate_s" in last
+    assert not out.exists()

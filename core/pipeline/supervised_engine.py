@@ -215,7 +215,7 @@ class SupervisedEngine:
         if self.restarts > self.max_restarts:
             raise RestartsExhausted(
                 f"{self.name}: lost {self.restarts} times, more than recovery.max_restarts = {self.max_restarts}; "
-                "fix: raise recovery.max_restarts, or find out why it keeps dying"
+                "fix: raise timeouts.generate_s if its calls only run long, raise recovery.max_restarts, or find out why it keeps dying"
             )
         await self._call("restart", self.engine.recover(), self.restart_s, "timeouts.restart_s")
 
