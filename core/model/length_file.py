@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from core.model.regular_file import UnreadableFile, read_regular
+
 
 class LengthFileError(ValueError):
     """The file is missing, unreadable or not one of the three shapes."""
@@ -61,11 +63,16 @@ def _numbers(x: object, what: str) -> np.ndarray:
     return _positive(arr, what)
 
 
+MAX_FILE_BYTES = 256 << 20  # a histogram of a few thousand bins is kilobytes
+
+
 @lru_cache(maxsize=16)
 def _load(path: str, mtime_ns: int) -> EmpiricalLengths:
     try:
-        text = Path(path).read_text()
-    except (OSError, UnicodeDecodeError) as exc:
+        text = read_regular(path, MAX_FILE_BYTES, "give a list of lengths, a histogram or {edges, counts}").decode()
+    except UnreadableFile as exc:
+        raise LengthFileError(exc.problem) from None
+    except UnicodeDecodeError as exc:
         raise LengthFileError(f"cannot be read ({type(exc).__name__})") from None
     try:
         data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)

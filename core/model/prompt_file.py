@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from core.model.regular_file import UnreadableFile, read_regular
+
 FIELDS = ("prompt", "answer")
+MAX_FILE_BYTES = 4 << 30  # read whole into memory: a prompt set larger than this wants streaming
 
 
 class PromptFileError(ValueError):
@@ -73,9 +76,9 @@ def _row(obj: object, where: str) -> PromptRow:
 def _jsonl(path: Path) -> list[PromptRow]:
     rows = []
     try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise PromptFileError(f"unreadable ({exc.strerror or type(exc).__name__})") from None
+        data = read_regular(path, MAX_FILE_BYTES, "give a .jsonl file of prompts and answers")
+    except UnreadableFile as exc:
+        raise PromptFileError(exc.problem, exc.fix) from None
     for n, raw in enumerate(data.split(b"\n"), 1):
         if not raw.strip():
             continue
