@@ -183,15 +183,6 @@ def remove_stale(parent: Path, kinds: tuple[str, ...]) -> list[Path]:
     return removed
 
 
-def replaceable(path: Path, kind: str, finished: str) -> bool:
-    """``path`` is missing, or is a directory (not a link) asyncrl created as ``kind`` whose
-    ``finished`` file says it is complete: what a new run or sweep may take the place of."""
-    path = Path(path)
-    if path.is_symlink():
-        return False
-    return not path.exists() or (is_owned(path, kind) and (path / finished).is_file())
-
-
 def remove_owned(path: Path, kind: str) -> None:
     """Remove ``path`` if asyncrl created it as ``kind``; leave a missing path alone; refuse
     anything else."""
