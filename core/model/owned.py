@@ -41,6 +41,11 @@ class Busy(RuntimeError):
     """Another live process is writing the directory."""
 
 
+def _pid_in(fd: int) -> str:
+    """The pid a ``Hold`` wrote into its lock file."""
+    return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+
+
 class Hold:
     """An exclusive hold on a directory for as long as this process writes it, so a second run
     or resume of it fails at once. The kernel drops the hold when the process ends, however it
@@ -52,7 +57,7 @@ class Hold:
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
-            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            holder = _pid_in(self._fd)
             os.close(self._fd)
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise Busy(f"another asyncrl process (pid {holder}) is writing {self.path}") from None
@@ -75,7 +80,7 @@ def holder(path: Path) -> str | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        return _pid_in(fd)
     finally:
         os.close(fd)  # closing drops a hold this call took
     return None
