@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -125,19 +124,13 @@ def run_one(sc: EnvScenario, mode: str, seed: int, workdir: Path, stop_at_versio
     """One run; ``workdir`` is its own directory (its checkpoints, with ``checkpoint.every``;
     with ``profile``, py-spy's flame graphs of the driver and every actor in ``profile/``);
     ``on_progress`` is told each version published and each evaluation."""
-    profiler = Profiler(workdir / "profile") if profile else None
-    if profiler:
-        profiler.attach([("driver", os.getpid())])  # sync and sim runs do all their work here
-    try:
+    with Profiler(workdir / "profile") if profile else contextlib.nullcontext() as profiler:
         if sc.runtime == "sim":
             return run_env_sim(sc, mode, seed, on_progress)
         if mode == "sync":
             return asyncio.run(run_sync(sc, seed, run_dir=workdir, stop_at_version=stop_at_version, on_progress=on_progress))
         return run_async(sc, seed, workdir=workdir, stop_at_version=stop_at_version, on_progress=on_progress,
                          on_processes=profiler.attach if profiler else None)
-    finally:
-        if profiler:
-            profiler.stop()
 
 
 def main(sc: EnvScenario, out: Path, console: Console, plots: bool, *, profile: bool = False,

@@ -35,6 +35,15 @@ class Profiler:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.pids: set[int] = set()
 
+    def __enter__(self) -> "Profiler":
+        """Record this process, the driver, from the start: on the sim runtime and in an env
+        run's sync mode it does all the work, and no runtime reports it."""
+        self.attach([("driver", os.getpid())])
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def attach(self, processes: list[tuple[str, int]]) -> None:
         """Start recording each ``(name, pid)`` not recorded yet (a runtime may name the driver,
         which the harness records from the start)."""

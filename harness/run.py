@@ -17,8 +17,8 @@ instead (harness/sweep.py, docs/sweeps.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
-import os
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -333,12 +333,9 @@ def _run_modes(
                 continue
             progress.start(f"{label}/{mode}" if label else mode)
             (where / mode).mkdir(exist_ok=True)
-            profiler = Profiler(where / mode / "profile") if profile else None
-            if profiler:
-                profiler.attach([("driver", os.getpid())])  # the sim runtime does all its work here
             resume = (where / mode / "checkpoints").is_dir()
             name = "/".join(p for p in (sc.name, label, mode) if p)
-            try:
+            with Profiler(where / mode / "profile") if profile else contextlib.nullcontext() as profiler:
                 with NvmlSampler() as gpu, MetricsStream(
                     where / mode, sc.report.loggers, root=root or where, name=name, group=sc.name, mode=mode,
                     config=sc.model_dump(mode="json"), resume=resume,
@@ -352,9 +349,6 @@ def _run_modes(
                         sc, mode, on_step=told, on_processes=profiler.attach if profiler else None, run_dir=where,
                         resume=resume, stop_at_step=stop_at_step,
                     )
-            finally:
-                if profiler:
-                    profiler.stop()
             (where / mode / "queue.journal").unlink(missing_ok=True)  # the run's, not the report's
             rep = report.build(sc, result, env, gpu.summary())
             reports[mode] = rep
