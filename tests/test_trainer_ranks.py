@@ -165,3 +165,43 @@ def _restore_main(rank: int, port: int, model_dir: str, path: str, out: str) -> 
         ranks.leave()
     with open(f"{out}.{rank}", "wb") as f:
         pickle.dump(state, f)
+
+
+def test_trainer_ranks_that_do_not_fit_are_refused_by_name(tiny_model_dir):
+    from pydantic import ValidationError
+
+    from core.model.config import with_changes
+    from harness.scenario import load
+
+    sc = with_changes(load("scenarios/real-cpu-torch.yaml"), {"tiny_model.path": str(tiny_model_dir)})
+    with pytest.raises(ValidationError, match=r"ray.trainer_ranks = 2: trainer ranks are actors of the ray runtime, not of local; fix: set runtime: ray"):
+        with_changes(sc, {"ray.trainer_ranks": 2, "resources.trainer_gpus": 2})
+    with pytest.raises(ValidationError, match=r"ray.trainer_ranks = 2: does not divide resources.trainer_gpus = 3 .*fix: use a divisor of 3"):
+        with_changes(sc, {"runtime": "ray", "ray.trainer_ranks": 2, "resources.trainer_gpus": 3})
+    with pytest.raises(ValidationError, match=r"ray.trainer_ranks = 4: sync colocates each rank with an engine, and it has 3"):
+        with_changes(sc, {"runtime": "ray", "ray.trainer_ranks": 4, "resources.trainer_gpus": 4, "resources.rollout_gpus": 2,
+                          "resources.gpus_per_engine": 2, "modes": ["sync"]})
+    assert with_changes(sc, {"runtime": "ray", "ray.trainer_ranks": 2, "resources.trainer_gpus": 2}).ray.trainer_ranks == 2
+
+
+def test_ray_run_with_two_trainer_ranks_loses_nothing_through_a_trainer_kill(ray_session, tiny_model_dir):
+    """real-cpu-torch on the ray runtime, scaled down, the trainer 2 ranks (half a CPU each,
+    so that engine and ranks fit the session's 2). Rank 0 is killed after step 2: Ray
+    restarts it, rank 1 is restarted with it, they form a new group and go back to the
+    checkpoint. Every sample produced is trained or dropped with a reason."""
+    from test_runtimes import assert_recovered_run, small
+
+    from core.runtimes.dispatch import run_mode
+
+    sc = small(
+        "scenarios/real-cpu-torch.yaml", tiny_model_dir, modes=["async"],
+        **{"runtime": "ray", "resources.trainer_gpus": 2, "ray.trainer_ranks": 2, "ray.trainer.num_cpus": 0.5,
+           "trainer.steps": 4, "trainer.batch_size": 16, "workload.max_response_len": 24,
+           "checkpoint.every": 1, "ray.poll_s": 0.1, "faults": [{"kind": "kill", "target": "trainer", "at_step": 2}]},
+    )
+    system = run_mode(sc, "async")
+    m = assert_recovered_run(system)
+    assert m["faults/injected"] == 1 and m["faults/recovered"] == 1
+    assert m["learn/reward_mean"] > 0
+    info = system.trainer.step_info
+    assert all(i["ranks"] == 2 and i["comm_s"] > 0 for i in info)

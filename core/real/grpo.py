@@ -225,6 +225,11 @@ class TorchTrainBackend:
         if ranks.size > 1 and not self.sharded:
             self._replicate()  # as DDP does: every replica starts from rank 0's
 
+    def join_group(self, address: str, rank: int, size: int, timeout_s: float) -> None:
+        """Form the process group of ``size`` ranks that rank 0 serves at ``address`` (host:port)
+        with the others, and ``join`` it; blocks until every rank is there."""
+        self.join(RankGroup.join(address, rank, size, self.device, timeout_s))
+
     def shards(self, step_batch: Batch) -> list[list[Batch]]:
         """Each rank's part of the step, per minibatch: a contiguous run of whole groups, the
         runs about equal in tokens. Rank r trains ``shards(b)[r]``; with one rank it is the
