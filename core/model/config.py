@@ -599,7 +599,13 @@ class RaySpec(_Frozen):
     rollout: RoleSpec = RoleSpec(num_cpus=1.0, max_concurrency=256)
     """Each rollout engine actor; on CPU one engine is one core."""
     trainer: RoleSpec = RoleSpec(num_cpus=1.0, max_concurrency=8)
-    """The trainer actor."""
+    """Each trainer rank's actor."""
+    trainer_ranks: int = Field(1, ge=1, le=MAX_DEVICES)
+    """Data-parallel trainer ranks, one actor each in one torch process group (gloo on CPU; on
+    GPU, FSDP2 over NCCL, untested): each trains whole groups of every minibatch, gradients
+    summed across ranks, so the update is one rank's on the whole batch. Rank 0 drives the
+    step, checkpoints and is the weight-sync source. Each rank gets ``resources.trainer_gpus``
+    / ranks devices (on CPU, torch threads), so that must divide evenly."""
     controller: RoleSpec = RoleSpec(num_cpus=0.0, max_concurrency=256)
     """The Rollouter actor: scheduling only, no model."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
@@ -864,9 +870,28 @@ class Scenario(_Frozen):
                 "replay.capacity_groups", rp.capacity_groups, f"cannot hold one trainer batch of {bs // n} groups",
                 f"use at least trainer.batch_size / workload.group_size = {bs // n}",
             )
+        self._check_trainer_ranks()
         self._check_faults()
         self._check_kv_fits()
         return self
+
+    def _check_trainer_ranks(self) -> None:
+        """Ranks exist on the ray runtime only, and each gets whole devices."""
+        ranks = self.ray.trainer_ranks
+        if ranks == 1:
+            return
+        if self.runtime != "ray":
+            raise ConfigError("ray.trainer_ranks", ranks, f"trainer ranks are actors of the ray runtime, not of {self.runtime}",
+                              "set runtime: ray, or ray.trainer_ranks: 1")
+        r = self.resources
+        if r.trainer_gpus % ranks:
+            raise ConfigError("ray.trainer_ranks", ranks, f"does not divide resources.trainer_gpus = {r.trainer_gpus} into whole devices per rank",
+                              f"use a divisor of {r.trainer_gpus}, or make resources.trainer_gpus a multiple of {ranks}")
+        if "sync" in self.modes:
+            engines = Placement.of(self, "sync").engines
+            if ranks > engines:
+                raise ConfigError("ray.trainer_ranks", ranks, f"sync colocates each rank with an engine, and it has {engines}",
+                                  f"use at most {engines}, or leave sync out of modes")
 
     def _check_real_model(self) -> None:
         """The model a real run loads is there and takes the longest sequence; the tiny model is

@@ -54,6 +54,7 @@ from core.model.config import LearnSpec
 from core.api import Batch
 from core.model.sample import Sample
 from core.real.hf_model import load_model
+from core.real.rank_group import RankGroup, token_balanced_cuts
 
 log = logging.getLogger(__name__)
 
@@ -69,15 +70,27 @@ def group_advantages(rewards: np.ndarray) -> np.ndarray:
     return ((r - r.mean()) / (r.std() + ADV_EPS)).astype(np.float32)
 
 
-def second_moment_mask(log_w: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
-    """1 on the response tokens kept, 0 elsewhere: drop the tokens of largest (log w)^2, as few
-    as make the mean of the rest at most ``threshold`` (M2PO's trust region)."""
-    sq = (log_w.detach() ** 2)[mask > 0]
+def second_moment_keep(sq: torch.Tensor, threshold: float) -> torch.Tensor:
+    """1 on the values of ``sq`` (squared log weights, 1-D) kept, 0 on the rest: drop the
+    largest, as few as make the mean of the rest at most ``threshold`` (M2PO's trust region)."""
     order = torch.argsort(sq)
     running = torch.cumsum(sq[order], 0) / torch.arange(1, sq.numel() + 1, device=sq.device, dtype=sq.dtype)
     keep = int((running <= threshold).sum())  # the running mean of ascending values never falls
     flat = torch.zeros_like(sq)
     flat[order[:keep]] = 1.0
+    return flat
+
+
+def second_moment_mask(log_w: torch.Tensor, mask: torch.Tensor, threshold: float, ranks: Optional[RankGroup] = None) -> torch.Tensor:
+    """1 on the response tokens kept, 0 elsewhere (``second_moment_keep`` of their (log w)^2).
+    With ``ranks`` the tokens are those of the whole minibatch, every rank's: each rank's
+    part is gathered in rank order, which is the order one rank holding them all sees."""
+    sq = (log_w.detach() ** 2)[mask > 0]
+    if ranks is not None and ranks.size > 1:
+        everyone, at = ranks.gather(sq)
+        flat = second_moment_keep(everyone, threshold)[at : at + sq.numel()]
+    else:
+        flat = second_moment_keep(sq, threshold)
     out = torch.zeros_like(mask)
     out[mask > 0] = flat
     return out
@@ -106,6 +119,11 @@ def peak_flops(threads: int, device: str = "cpu") -> float:
         return best
     finally:
         torch.set_num_threads(old)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a sharded one (an FSDP2 DTensor) gathered from every rank."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 class _Batch:
@@ -159,6 +177,8 @@ class TorchTrainBackend:
         seed: int = 0,
         temperature: float = 1.0,
     ) -> None:
+        self.ranks = RankGroup()  # alone until ``join``
+        self.sharded = False  # FSDP2: each rank holds a shard of every parameter (GPU only)
         self.learn = learn
         self.threads = threads
         self.device = device
@@ -182,6 +202,52 @@ class TorchTrainBackend:
         # weights() may be called from another thread than the step's worker.
         self._lock = threading.Lock()
 
+    # ---- data-parallel ranks -------------------------------------------------------------
+
+    def join(self, ranks: RankGroup) -> None:
+        """Train as rank ``ranks.rank`` of ``ranks.size`` from now on; every rank calls it at once.
+        On GPU the model is sharded (FSDP2: every decoder layer, then the root) and gradients
+        are reduce-scattered in the backward pass; on CPU each rank keeps the whole model (DDP)
+        and starts from rank 0's weights and optimizer state. The GPU path does not run on a
+        machine without one, and has not been run."""
+        with self._lock:
+            self.ranks = ranks
+            if ranks.size > 1 and self.device.startswith("cuda"):
+                from torch.distributed.fsdp import fully_shard  # imported on use: only a sharded GPU trainer needs it
+
+                for layer in self.model.model.layers:
+                    fully_shard(layer)
+                fully_shard(self.model)
+                # The loss is already normalised by the whole minibatch's tokens: sum, not mean.
+                self.model.set_gradient_divide_factor(1.0)
+                self.opt = torch.optim.Adam(self.model.parameters(), lr=self.learn.lr)
+                self.sharded = True
+        if ranks.size > 1 and not self.sharded:
+            self._replicate()  # as DDP does: every replica starts from rank 0's
+
+    def join_group(self, address: str, rank: int, size: int, timeout_s: float) -> None:
+        """Form the process group of ``size`` ranks that rank 0 serves at ``address`` (host:port)
+        with the others, and ``join`` it; blocks until every rank is there."""
+        self.join(RankGroup.join(address, rank, size, self.device, timeout_s))
+
+    def shards(self, step_batch: Batch) -> list[list[Batch]]:
+        """Each rank's part of the step, per minibatch: a contiguous run of whole groups, the
+        runs about equal in tokens. Rank r trains ``shards(b)[r]``; with one rank it is the
+        minibatches themselves."""
+        n = self.ranks.size
+        out: list[list[Batch]] = [[] for _ in range(n)]
+        for mb in self._minibatches(step_batch):
+            sizes = [sum(len(s.prompt_tokens) + len(s.response_tokens) for s in g.samples) for g in mb.groups]
+            edges = token_balanced_cuts(sizes, n)
+            if self.sharded and len(mb) < n:
+                raise ValueError(
+                    f"a minibatch of {len(mb)} groups for {n} sharded ranks: every FSDP rank needs a group of each minibatch; "
+                    "fix: fewer learn.minibatches or ray.trainer_ranks, or a larger trainer.batch_size"
+                )
+            for r in range(n):
+                out[r].append(mb.tail(edges[r]).head(edges[r + 1] - edges[r]))
+        return out
+
     # ---- the protocol -------------------------------------------------------------------
 
     tensor_files = ("weights", "optimizer")
@@ -193,11 +259,14 @@ class TorchTrainBackend:
     # ---- weights ------------------------------------------------------------------------
 
     def weights(self) -> dict[str, np.ndarray]:
-        """Float32 numpy copies under the names ``save_pretrained`` writes (a tied lm_head once)."""
+        """Float32 numpy copies under the names ``save_pretrained`` writes (a tied lm_head once).
+        Sharded (FSDP2), every rank must call it at once: the full tensors are gathered."""
         with self._lock, torch.no_grad():
-            return {n: p.detach().to("cpu", torch.float32).numpy().copy() for n, p in self.model.named_parameters()}
+            return {n: _full(p).detach().to("cpu", torch.float32).numpy().copy() for n, p in self.model.named_parameters()}
 
     def load_weights(self, weights: dict[str, np.ndarray]) -> None:
+        if self.sharded:
+            raise ValueError("a sharded trainer loads weights through load(), on every rank at once")
         with self._lock, torch.no_grad():
             params = dict(self.model.named_parameters())
             missing = params.keys() - weights.keys()
@@ -211,28 +280,83 @@ class TorchTrainBackend:
                 p.copy_(torch.from_numpy(np.asarray(w, dtype=np.float32)))
 
     def state_dict(self) -> dict[str, dict[str, np.ndarray]]:
-        """What a checkpoint keeps of the trainer: weights and Adam's moments, by parameter name."""
+        """What a checkpoint keeps of the trainer: weights and Adam's moments, by parameter name.
+        The ranks' are identical, so rank 0 alone saves (sharded, every rank calls it at once)."""
         with self._lock, torch.no_grad():
             opt = {}
             for n, p in self.model.named_parameters():
                 st = self.opt.state.get(p)
                 if st:
                     for k, v in st.items():
-                        opt[f"{n}::{k}"] = v.detach().to("cpu").numpy().copy()
+                        opt[f"{n}::{k}"] = _full(v).detach().to("cpu").numpy().copy()
         return {"weights": self.weights(), "optimizer": opt}
 
-    def load(self, tensors: dict[str, dict[str, np.ndarray]]) -> None:
-        """Back to a checkpoint: weights and optimizer state as ``state_dict`` wrote them."""
-        self.load_weights(tensors["weights"])
+    def load(self, tensors: Optional[dict[str, dict[str, np.ndarray]]]) -> None:
+        """Back to a checkpoint: weights and optimizer state as ``state_dict`` wrote them.
+        With ranks every rank calls it at once, rank 0 with the tensors and the others with
+        None: they receive rank 0's weights and optimizer state."""
+        if tensors is None and self.ranks.rank == 0:
+            raise ValueError("rank 0 restores from the checkpoint's tensors; only the other ranks receive them")
+        if self.sharded:
+            self._load_sharded(tensors)
+            return
+        if tensors is not None:
+            self.load_weights(tensors["weights"])
+            with self._lock, torch.no_grad():
+                params = dict(self.model.named_parameters())
+                self.opt.state.clear()
+                for key, v in tensors["optimizer"].items():
+                    name, _, k = key.partition("::")
+                    if name not in params:
+                        raise KeyError(f"optimizer state for unknown parameter {name!r}")
+                    p = params[name]
+                    self.opt.state[p][k] = torch.from_numpy(np.array(v)).to(p.device if v.ndim else "cpu")
+        if self.ranks.size > 1:
+            self._replicate()
+
+    def _replicate(self) -> None:
+        """Every rank's weights and Adam state made rank 0's, by broadcast (whole replicas)."""
+        ranks = self.ranks
         with self._lock, torch.no_grad():
-            params = dict(self.model.named_parameters())
+            params = list(self.model.parameters())
+            ranks.broadcast_(p.data for p in params)
+            has = torch.tensor([float(bool(self.opt.state))], dtype=torch.float64)
+            ranks.broadcast_([has])
+            if not float(has):
+                self.opt.state.clear()
+                return
+            for p in params:
+                st = self.opt.state[p]
+                if "step" not in st:
+                    st.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                ranks.broadcast_([st["step"], st["exp_avg"], st["exp_avg_sq"]])
+
+    def _load_sharded(self, tensors: Optional[dict[str, dict[str, np.ndarray]]]) -> None:
+        """FSDP2: rank 0's full tensors scattered into every rank's shards (a collective)."""
+        from torch.distributed.tensor import distribute_tensor  # imported on use: only a sharded GPU trainer needs it
+
+        def scatter(into: torch.Tensor, full: Optional[np.ndarray]) -> None:
+            src = torch.from_numpy(np.asarray(full)).to(self.device) if full is not None else torch.empty(into.shape, dtype=into.dtype, device=self.device)
+            into.copy_(distribute_tensor(src.to(into.dtype), into.device_mesh, into.placements, src_data_rank=0))
+
+        with self._lock, torch.no_grad():
+            named = list(self.model.named_parameters())
+            for n, p in named:
+                scatter(p, tensors["weights"][n] if tensors is not None else None)
+            has = torch.tensor([float(bool(tensors and tensors["optimizer"]))], dtype=torch.float64, device=self.device)
+            self.ranks.broadcast_([has])
             self.opt.state.clear()
-            for key, v in tensors["optimizer"].items():
-                name, _, k = key.partition("::")
-                if name not in params:
-                    raise KeyError(f"optimizer state for unknown parameter {name!r}")
-                p = params[name]
-                self.opt.state[p][k] = torch.from_numpy(np.array(v)).to(p.device if v.ndim else "cpu")
+            if not float(has):
+                return
+            opt = tensors["optimizer"] if tensors is not None else {}
+            for n, p in named:
+                st = self.opt.state[p]
+                step = torch.tensor(float(opt[f"{n}::step"]) if tensors is not None else 0.0, device=self.device)
+                self.ranks.broadcast_([step])
+                st["step"] = step.cpu()
+                for k in ("exp_avg", "exp_avg_sq"):
+                    st[k] = torch.zeros_like(p)
+                    scatter(st[k], opt.get(f"{n}::{k}"))
 
     # ---- the math -----------------------------------------------------------------------
 
@@ -242,10 +366,14 @@ class TorchTrainBackend:
         logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
         return logp.gather(-1, batch.ids[:, 1:, None]).squeeze(-1)
 
-    def _loss(self, batch: _Batch, prox: Optional[torch.Tensor], correction: str) -> tuple[torch.Tensor, dict]:
+    def _loss(
+        self, batch: _Batch, prox: Optional[torch.Tensor], correction: str, ntok: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, dict]:
+        """The loss of ``batch``, summed over its response tokens over ``ntok`` (the whole
+        minibatch's response tokens, every rank's; None: this batch's own), and its stats as sums."""
         lp = self._logprobs(batch)
         m = batch.mask
-        ntok = m.sum().clamp(min=1.0)
+        ntok = (m.sum() if ntok is None else ntok).clamp(min=1.0)
         cap = self.learn.is_cap
         eps = self.learn.clip_eps
         clipped = torch.zeros_like(m)
@@ -264,7 +392,7 @@ class TorchTrainBackend:
             kept = m
         elif correction == "m2po":
             log_w = log_r
-            kept = second_moment_mask(log_w, m, self.learn.m2_threshold)
+            kept = second_moment_mask(log_w, m, self.learn.m2_threshold, self.ranks)
             w = kept
             per_tok = -kept * torch.exp((lp - prox) * m) * batch.adv
         else:
@@ -328,35 +456,74 @@ class TorchTrainBackend:
             return out
 
     def _train_step(self, step_batch: Batch, version: int) -> dict:
-        torch.set_num_threads(self.threads)  # intra-op threads are per OS thread under OpenMP
         t0 = time.perf_counter()
-        groups = step_batch.groups
+        learned = self.learn_part(self.shards(step_batch)[self.ranks.rank])
+        return self.summary(step_batch, version, learned, time.perf_counter() - t0)
+
+    _STATS = ("is_weight_sum", "is_truncated", "masked", "clipped", "ntok", "drift")
+
+    def learn_part(self, parts: list[Batch]) -> dict:
+        """This rank's part of one step: per minibatch, its slice of groups (``shards``). Every
+        rank calls it at once with as many slices, some maybe empty. What is decided is
+        decided on the whole minibatch: the loss normaliser (its response tokens), whether it
+        has any signal, the gradient (summed over the ranks before the norm is clipped) and the
+        stats; so every rank makes the same update, and the same as one rank holding it all."""
+        torch.set_num_threads(self.threads)  # intra-op threads are per OS thread under OpenMP
+        ranks = self.ranks
+        comm0 = ranks.comm_s
+        correction = self.learn.correction
+        params = list(self.model.parameters())
         with self._lock:
-            batches = [self._batch(mb) for mb in self._minibatches(step_batch)]
+            batches = [self._batch(mb) if len(mb) else None for mb in parts]
             prox: list[Optional[torch.Tensor]] = [None] * len(batches)
             if self.learn.recomputes_prox:
                 # All proximal log-probs come from the weights at the start of the step, before any update.
                 with torch.no_grad():
-                    prox = [self._logprobs(b) for b in batches]
+                    prox = [self._logprobs(b) if b is not None else None for b in batches]
             losses, norms = [], []
-            acc = {"is_weight_sum": 0.0, "is_truncated": 0.0, "masked": 0.0, "clipped": 0.0, "ntok": 0.0, "drift": 0.0}
+            acc = dict.fromkeys(self._STATS, 0.0)
             for b, px in zip(batches, prox):
-                loss, st = self._loss(b, px, self.learn.correction)
-                for k in acc:
-                    acc[k] += st[k]
-                losses.append(float(loss.detach()))
-                if not bool((b.adv != 0).any()):
-                    continue  # no signal in this slice: Adam's momentum alone should not move the weights
+                # Response tokens, and tokens with a non-zero advantage, of the whole minibatch.
+                counts = torch.tensor(
+                    [0.0, 0.0] if b is None else [float(b.mask.sum()), float((b.adv != 0).sum())], dtype=torch.float32, device=self.device
+                )
+                ranks.sum_(counts)
+                if b is not None:
+                    loss, st = self._loss(b, px, correction, counts[0])
+                else:
+                    loss, st = None, dict.fromkeys(self._STATS, 0.0)
+                    if correction == "m2po":  # the other ranks gather every rank's log weights
+                        second_moment_mask(torch.zeros(0, device=self.device), torch.zeros(0, device=self.device), self.learn.m2_threshold, ranks)
+                reduced = torch.tensor(
+                    [0.0 if loss is None else float(loss.detach())] + [st[k] for k in self._STATS], dtype=torch.float64, device=self.device
+                )
+                ranks.sum_(reduced)
+                for k, v in zip(self._STATS, reduced[1:].tolist()):
+                    acc[k] += v
+                losses.append(float(reduced[0]))
+                if not float(counts[1]):
+                    continue  # no signal in this minibatch: Adam's momentum alone should not move the weights
                 self.opt.zero_grad(set_to_none=True)
-                loss.backward()
-                norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.learn.grad_clip)))
+                if loss is not None:
+                    loss.backward()
+                if not self.sharded:  # FSDP2 reduce-scatters in the backward pass
+                    ranks.sum_grads(params)
+                norm = torch.nn.utils.clip_grad_norm_(params, self.learn.grad_clip)
+                norms.append(float(_full(norm)))
                 self.opt.step()
             self.opt.zero_grad(set_to_none=True)
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        tokens = sum(b.tokens for b in batches)
-        tokens_sq = sum(b.tokens_sq for b in batches)
+        return {"losses": losses, "norms": norms, "acc": acc, "comm_s": ranks.comm_s - comm0}
+
+    def summary(self, step_batch: Batch, version: int, learned: dict, dt: float) -> dict:
+        """What the step measured, from the whole step batch and ``learn_part``'s reduced
+        figures (identical on every rank); ``dt``: the step's seconds."""
+        groups = step_batch.groups
+        losses, norms, acc = learned["losses"], learned["norms"], learned["acc"]
+        lens = [len(s.prompt_tokens) + len(s.response_tokens) for g in groups for s in g.samples]
+        tokens = int(sum(lens))
+        tokens_sq = int(sum(n * n for n in lens))
         passes = 3.0 + (1.0 if self.learn.recomputes_prox else 0.0)
         # Same convention as core.sim.costs.TrainCost: 2P FLOPs per token per forward, backward twice that.
         flops = 2.0 * passes * self.params * tokens + 2.0 * passes * self._attn_width * tokens_sq
@@ -398,4 +565,7 @@ class TorchTrainBackend:
             "sample_versions": [max((v for v, k in s.version_spans if k), default=g.version) for g in groups for s in g.samples],
             "prompt_lens": [s.n_prompt for g in groups for s in g.samples],
             "version": version,
+            # Seconds of the step in collectives between the trainer's ranks (0 with one).
+            "comm_s": learned["comm_s"],
+            "ranks": self.ranks.size,
         }

@@ -51,6 +51,7 @@ from core.runtimes.local import ProcessesFn
 from core.runtimes.object_store_transfer import ObjectStoreTransfer
 from core.runtimes.run_checkpoint import checkpoint_dir, restore_trainer_side, save_trainer_side
 from core.runtimes.supervision import FaultInjector, strike, supervise_trainer
+from core.runtimes.trainer_ranks import RankedBackend, TrainerRankHost
 from core.sim.workload import Workload
 from core.store.checkpoint import latest
 
@@ -418,13 +419,17 @@ class RolloutProxy:
 
 
 class TrainerHost:
-    """The Trainer, its ParamSync and the torch GRPO backend, with the trained half of the ledger."""
+    """The Trainer, its ParamSync and the torch GRPO backend, with the trained half of the ledger.
+    With ``peers`` (``ray.trainer_ranks`` > 1) it is rank 0 of a data-parallel trainer, the
+    others ``TrainerRankHost`` actors (core/runtimes/trainer_ranks.py)."""
 
-    def __init__(self, sc: Scenario, mode: str, rollout: Any, threads: int, run_dir: str) -> None:
+    def __init__(self, sc: Scenario, mode: str, rollout: Any, threads: int, run_dir: str, peers: tuple = ()) -> None:
         self.sc, self.mode, self.run_dir = sc, mode, run_dir
         self.rollout = rollout
         self.resynced_at: Optional[float] = None
         self.backend = make_backend(sc, threads)
+        if peers:
+            self.backend = RankedBackend(self.backend, list(peers))
         self.transfer = ObjectStoreTransfer(self.backend, _ray().put)
         self.timeline = Timeline()
         self.ledger = Ledger(trained_bound(sc, mode), reuse=sc.replay.enabled)
@@ -433,8 +438,11 @@ class TrainerHost:
         self.told: list[Progress] = []  # steps and syncs since the driver last asked, on this actor's clock
 
     async def connect(self, rollout_offset: float) -> None:
-        """Wire the trainer side; ``rollout_offset`` is the rollout actor's clock minus ours."""
+        """Wire the trainer side; ``rollout_offset`` is the rollout actor's clock minus ours.
+        With ranks, a new process group of them first (the others are fresh processes)."""
         sc, mode = self.sc, self.mode
+        if isinstance(self.backend, RankedBackend):
+            await self.backend.form_group(sc.timeouts.restart_s)
         workers = Workers([], self.backend, self.transfer, spread=Workload(sc.workload, sc.seed).reward_spread)
         self.trainer, self.param_sync, self.replay = connect_trainer(
             sc, mode, workers, self.ledger, QueueProxy(self.rollout, rollout_offset),
@@ -516,23 +524,35 @@ def _offset(handle: Any, probes: int = 5) -> float:
     return best[1]
 
 
-def _restart_trainer(trainer: Any, old_pid: int, off_rollout: float, sc: Scenario) -> tuple[int, float]:
-    """Wait for Ray's new trainer process, wire it, and restore it from its checkpoint."""
+def _back(name: str, handle: Any, old_pid: int, sc: Scenario, deadline: float) -> int:
+    """Wait for the new process of an actor Ray restarts; its pid."""
     ray = _ray()
-    deadline = time.monotonic() + sc.timeouts.restart_s
     while True:
         try:
-            pid = ray.get(trainer.pid.remote(), timeout=sc.timeouts.control_s)
+            pid = ray.get(handle.pid.remote(), timeout=sc.timeouts.control_s)
             if pid != old_pid:
-                break
+                return pid
         except (*_died(), ray.exceptions.GetTimeoutError):
             pass
         if time.monotonic() > deadline:
             raise RuntimeError(
-                f"trainer: not back within {sc.timeouts.restart_s:g} s of its death; "
+                f"{name}: not back within {sc.timeouts.restart_s:g} s of its death; "
                 "fix: raise timeouts.restart_s or recovery.max_restarts"
             )
         time.sleep(0.2)
+
+
+def _restart_trainer(run: "_Actors", sc: Scenario) -> tuple[int, float]:
+    """Wait for Ray's new trainer process, wire it, and restore it from its checkpoint. Its
+    other ranks were in the dead one's process group, maybe blocked in a collective with it:
+    they are restarted too, and join the new rank 0's group as fresh processes."""
+    ray = _ray()
+    deadline = time.monotonic() + sc.timeouts.restart_s
+    for peer in run.peers:
+        ray.kill(peer, no_restart=False)
+    run.peer_pids = [_back(f"trainer rank {r + 1}", p, old, sc, deadline) for r, (p, old) in enumerate(zip(run.peers, run.peer_pids))]
+    trainer, off_rollout = run.trainer, run.off_rollout
+    pid = _back("trainer", trainer, run.trainer_pid, sc, deadline)
     off = _offset(trainer)
     ray.get(trainer.connect.remote(off_rollout - off), timeout=sc.timeouts.restart_s)
     ray.get(trainer.restore.remote(), timeout=sc.timeouts.restart_s)
@@ -540,11 +560,18 @@ def _restart_trainer(trainer: Any, old_pid: int, off_rollout: float, sc: Scenari
 
 
 def _bundles(sc: Scenario, place: Placement) -> list[dict]:
+    """One bundle per rollout engine, then one per trainer rank (none colocated: the ranks
+    share the engines' bundles), in one placement group that keeps them together."""
     r, t = sc.ray.rollout, sc.ray.trainer
     rollout = [{"CPU": r.num_cpus, "GPU": r.num_gpus} for _ in range(place.engines)]
     if place.colocated:
         return rollout
-    return rollout + [{"CPU": t.num_cpus, "GPU": t.num_gpus}]
+    return rollout + [{"CPU": t.num_cpus, "GPU": t.num_gpus} for _ in range(sc.ray.trainer_ranks)]
+
+
+def _trainer_bundle(place: Placement, rank: int) -> int:
+    """The bundle of trainer rank ``rank``: its own after the engines', or, colocated, an engine's."""
+    return rank % place.engines if place.colocated else place.engines + rank
 
 
 def _clean(bundle: dict) -> dict:
@@ -576,6 +603,8 @@ class _Actors:
     off_trainer: float
     trainer_pid: int
     off_engines: dict
+    peers: list  # trainer ranks 1..N-1
+    peer_pids: list
     restarting: bool = False
 
 
@@ -629,9 +658,15 @@ def _run_ray(sc: Scenario, mode: str, on_step, on_processes, run_dir: str) -> Ru
             ray.get(rollout.connect.remote(
                 [(name, h, off - off_rollout, pid) for (name, h), off, pid in zip(engines, off_engines, engine_pids)], reward_handle,
             ), timeout=control_s)
-            trainer_bundle = 0 if place.colocated else place.engines
-            trainer = ray.remote(TrainerHost).options(**pinned(trainer_bundle, sc.ray.trainer), **restarts).remote(
-                sc, mode, rollout, place.trainer_gpus, run_dir
+            ranks = sc.ray.trainer_ranks
+            threads = max(1, place.trainer_gpus // ranks)  # each rank its share of the trainer's devices
+            peers = [
+                ray.remote(TrainerRankHost).options(**pinned(_trainer_bundle(place, r), sc.ray.trainer), **restarts).remote(sc, r, threads)
+                for r in range(1, ranks)
+            ]
+            actors.extend(peers)
+            trainer = ray.remote(TrainerHost).options(**pinned(_trainer_bundle(place, 0), sc.ray.trainer), **restarts).remote(
+                sc, mode, rollout, threads, run_dir, tuple(peers)
             )
             actors.append(trainer)
             # Every actor here shares the host's monotonic clock unless the cluster spans nodes,
@@ -639,11 +674,14 @@ def _run_ray(sc: Scenario, mode: str, on_step, on_processes, run_dir: str) -> Ru
             off_trainer = _offset(trainer)
             ray.get(trainer.connect.remote(off_rollout - off_trainer), timeout=sc.timeouts.restart_s)
             trainer_pid = ray.get(trainer.pid.remote(), timeout=control_s)
+            peer_pids = ray.get([p.pid.remote() for p in peers], timeout=control_s)
             if on_processes is not None:
                 pids = ray.get([rollout.pid.remote()], timeout=control_s)
-                names = [n for n, _ in engines] + ["rollouter", "trainer"]
-                on_processes(list(zip(names, engine_pids + pids + [trainer_pid])))
-            run = _Actors(rollout, trainer, off_rollout, off_trainer, trainer_pid, {n: off for (n, _), off in zip(engines, off_engines)})
+                names = [n for n, _ in engines] + ["rollouter", "trainer"] + [f"trainer_rank{r}" for r in range(1, ranks)]
+                on_processes(list(zip(names, engine_pids + pids + [trainer_pid] + peer_pids)))
+            run = _Actors(
+                rollout, trainer, off_rollout, off_trainer, trainer_pid, {n: off for (n, _), off in zip(engines, off_engines)}, peers, peer_pids,
+            )
             return asyncio.run(_watch(sc, mode, place, run, on_step))
         finally:
             for a in actors:
@@ -680,7 +718,7 @@ async def _watch(sc: Scenario, mode: str, place: Placement, run: _Actors, on_ste
     async def restart() -> None:
         run.restarting = True  # a trainer being wired answers no progress, and no fault strikes it
         try:
-            run.trainer_pid, run.off_trainer = await asyncio.to_thread(_restart_trainer, run.trainer, run.trainer_pid, run.off_rollout, sc)
+            run.trainer_pid, run.off_trainer = await asyncio.to_thread(_restart_trainer, run, sc)
         finally:
             run.restarting = False
 

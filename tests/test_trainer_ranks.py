@@ -1,0 +1,207 @@
+"""Data-parallel trainer ranks (core/real/rank_group.py, core/real/grpo.py): two ranks in a gloo
+process group, each a process of its own, make the same update as one rank holding the whole
+batch, and stay identical to each other.
+
+Tolerance (fp32 on CPU): after one step, |loss(2 ranks) - loss(1 rank)| <= 1e-6 and every
+weight within 2e-5 of one rank's (lr / 50; see WEIGHT_ATOL). The two ranks sum partial sums
+where one rank sums once, so the figures differ by float rounding only (where each minibatch
+is one group, so that one rank holds all of it, they are equal bit for bit); the two ranks'
+weights are compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import pickle
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+from core.api import Batch
+from core.model.config import LearnSpec
+from core.real.grpo import TorchTrainBackend
+from core.real.rank_group import RankGroup, token_balanced_cuts
+
+LOSS_ATOL = 1e-6
+# One Adam step moves a weight by up to lr (1e-3 here) whatever the gradient's size, and by
+# lr * g / (|g| + eps) near g = 0, where the rounding of a sum in another order is magnified:
+# measured up to 6e-6 (m2po), 2e-6 for the others; the bound is lr / 50.
+WEIGHT_ATOL = 2e-5
+
+# (correction, minibatches): with 4 groups, 2 minibatches give each rank one group of each; 4
+# give each minibatch one group, so one rank holds nothing of it and still takes part.
+CASES = [("none", 2), ("tis", 2), ("decoupled", 2), ("masked", 2), ("m2po", 2), ("m2po", 4), ("decoupled", 4)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _groups(model_dir) -> list:
+    """Four groups sampled from the tiny model, behaviour log-probs moved off the policy (so
+    every correction's weights, truncation and masks have work), rewards spread; the last
+    group's rewards are all equal (no signal)."""
+    from test_grpo import _onpolicy_groups
+
+    b = TorchTrainBackend(model_dir, LearnSpec(), threads=1)
+    gs = _onpolicy_groups(b, model_dir, n_groups=4, n=4, max_len=10, seed=3)
+    rng = np.random.default_rng(7)
+    for g in gs:
+        for s in g.samples:
+            s.logprobs = (np.asarray(s.logprobs) + rng.normal(0.0, 0.4, len(s.logprobs))).tolist()
+    for s in gs[-1].samples:
+        s.reward = 0.5
+    return gs
+
+
+def _step(backend: TorchTrainBackend, groups: list) -> tuple[float, dict, dict]:
+    """One collective step on this rank's part: (loss, weights, the step's figures)."""
+    t0 = 0.0
+    learned = backend.learn_part(backend.shards(Batch(copy.deepcopy(groups)))[backend.ranks.rank])
+    info = backend.summary(Batch(groups), 0, learned, t0)
+    return info["loss"], backend.weights(), info
+
+
+def _rank_main(rank: int, size: int, port: int, model_dir: str, path: str, out: str) -> None:
+    torch.set_num_threads(1)
+    groups = pickle.loads(open(path, "rb").read())
+    ranks = RankGroup.join(f"127.0.0.1:{port}", rank, size, "cpu", timeout_s=60)
+    got = []
+    try:
+        for correction, k in CASES:
+            b = TorchTrainBackend(model_dir, LearnSpec(correction=correction, minibatches=k), threads=1)
+            b.join(ranks)
+            loss, w, info = _step(b, groups)
+            got.append((loss, w, info["updates"], info["masked_frac"], info["is_truncated_frac"]))
+    finally:
+        ranks.leave()
+    with open(f"{out}.{rank}", "wb") as f:
+        pickle.dump(got, f)
+
+
+def test_token_balanced_cuts_are_contiguous_and_fill_every_rank():
+    assert token_balanced_cuts([5, 5, 5, 5], 2) == [0, 2, 4]
+    assert token_balanced_cuts([10, 1, 1, 1], 2) == [0, 1, 4]
+    assert token_balanced_cuts([1, 1, 1, 100], 2) == [0, 3, 4]
+    assert token_balanced_cuts([1, 2, 3], 3) == [0, 1, 2, 3]
+    assert token_balanced_cuts([7], 2) in ([0, 0, 1], [0, 1, 1])  # fewer groups than ranks: one rank idles
+    assert token_balanced_cuts([4, 4], 1) == [0, 2]
+
+
+def test_two_ranks_make_the_update_of_one(tiny_model_dir, tmp_path):
+    """Every correction: the loss and weights after one step on the same batch, 2 ranks
+    (2 processes, gloo) against 1; and the 2 ranks' weights equal bit for bit."""
+    groups = _groups(tiny_model_dir)
+    path = tmp_path / "groups.pkl"
+    path.write_bytes(pickle.dumps(groups))
+    out = str(tmp_path / "got")
+    ctx = torch.multiprocessing.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, str(tiny_model_dir), str(path), out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    two = [pickle.loads(open(f"{out}.{r}", "rb").read()) for r in range(2)]
+    for i, (correction, k) in enumerate(CASES):
+        one = TorchTrainBackend(tiny_model_dir, LearnSpec(correction=correction, minibatches=k), threads=1)
+        loss1, w1, info1 = _step(one, groups)
+        (loss_a, wa, upd_a, masked_a, trunc_a), (loss_b, wb) = two[0][i], two[1][i][:2]
+        case = f"{correction}, {k} minibatches"
+        for name in w1:
+            np.testing.assert_array_equal(wa[name], wb[name], err_msg=f"{case}: ranks differ on {name}")
+        assert loss_a == loss_b, case
+        assert abs(loss_a - loss1) <= LOSS_ATOL, (case, loss_a, loss1)
+        worst = max(float(np.abs(wa[n] - w1[n]).max()) for n in w1)
+        assert worst <= WEIGHT_ATOL, (case, worst)
+        assert upd_a == info1["updates"], case  # the no-signal minibatch is skipped on both sides alike
+        assert masked_a == pytest.approx(info1["masked_frac"], abs=1e-9), case
+        assert trunc_a == pytest.approx(info1["is_truncated_frac"], abs=1e-9), case
+        # The step moved the weights: the comparison is not of two untouched models.
+        start = TorchTrainBackend(tiny_model_dir, LearnSpec(), threads=1).weights()
+        assert max(float(np.abs(w1[n] - start[n]).max()) for n in w1) > 1e-4, case
+
+
+def test_a_rank_receives_rank_zeros_weights_and_optimizer_state(tiny_model_dir, tmp_path):
+    """Restore: rank 0 loads the checkpoint's tensors, the others receive them (a collective)."""
+    groups = _groups(tiny_model_dir)
+    trained = TorchTrainBackend(tiny_model_dir, LearnSpec(minibatches=1), threads=1)
+    asyncio.run(trained.train_step(Batch(copy.deepcopy(groups)), 0))
+    state = trained.state_dict()
+    path = tmp_path / "state.pkl"
+    path.write_bytes(pickle.dumps(state))
+    ctx = torch.multiprocessing.get_context("spawn")
+    port = _free_port()
+    out = str(tmp_path / "got")
+    procs = [ctx.Process(target=_restore_main, args=(r, port, str(tiny_model_dir), str(path), out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    for r in range(2):
+        got = pickle.loads(open(f"{out}.{r}", "rb").read())
+        for part in ("weights", "optimizer"):
+            assert got[part].keys() == state[part].keys()
+            for k, v in state[part].items():
+                np.testing.assert_array_equal(got[part][k], v, err_msg=f"rank {r}: {part} {k}")
+
+
+def _restore_main(rank: int, port: int, model_dir: str, path: str, out: str) -> None:
+    torch.set_num_threads(1)
+    ranks = RankGroup.join(f"127.0.0.1:{port}", rank, 2, "cpu", timeout_s=60)
+    try:
+        b = TorchTrainBackend(model_dir, LearnSpec(minibatches=1), threads=1)
+        b.join(ranks)
+        b.load(pickle.loads(open(path, "rb").read()) if rank == 0 else None)
+        state = b.state_dict()
+    finally:
+        ranks.leave()
+    with open(f"{out}.{rank}", "wb") as f:
+        pickle.dump(state, f)
+
+
+def test_trainer_ranks_that_do_not_fit_are_refused_by_name(tiny_model_dir):
+    from pydantic import ValidationError
+
+    from core.model.config import with_changes
+    from harness.scenario import load
+
+    sc = with_changes(load("scenarios/real-cpu-torch.yaml"), {"tiny_model.path": str(tiny_model_dir)})
+    with pytest.raises(ValidationError, match=r"ray.trainer_ranks = 2: trainer ranks are actors of the ray runtime, not of local; fix: set runtime: ray"):
+        with_changes(sc, {"ray.trainer_ranks": 2, "resources.trainer_gpus": 2})
+    with pytest.raises(ValidationError, match=r"ray.trainer_ranks = 2: does not divide resources.trainer_gpus = 3 .*fix: use a divisor of 3"):
+        with_changes(sc, {"runtime": "ray", "ray.trainer_ranks": 2, "resources.trainer_gpus": 3})
+    with pytest.raises(ValidationError, match=r"ray.trainer_ranks = 4: sync colocates each rank with an engine, and it has 3"):
+        with_changes(sc, {"runtime": "ray", "ray.trainer_ranks": 4, "resources.trainer_gpus": 4, "resources.rollout_gpus": 2,
+                          "resources.gpus_per_engine": 2, "modes": ["sync"]})
+    assert with_changes(sc, {"runtime": "ray", "ray.trainer_ranks": 2, "resources.trainer_gpus": 2}).ray.trainer_ranks == 2
+
+
+def test_ray_run_with_two_trainer_ranks_loses_nothing_through_a_trainer_kill(ray_session, tiny_model_dir):
+    """real-cpu-torch on the ray runtime, scaled down, the trainer 2 ranks (half a CPU each,
+    so that engine and ranks fit the session's 2). Rank 0 is killed after step 2: Ray
+    restarts it, rank 1 is restarted with it, they form a new group and go back to the
+    checkpoint. Every sample produced is trained or dropped with a reason."""
+    from test_runtimes import assert_recovered_run, small
+
+    from core.runtimes.dispatch import run_mode
+
+    sc = small(
+        "scenarios/real-cpu-torch.yaml", tiny_model_dir, modes=["async"],
+        **{"runtime": "ray", "resources.trainer_gpus": 2, "ray.trainer_ranks": 2, "ray.trainer.num_cpus": 0.5,
+           "trainer.steps": 4, "trainer.batch_size": 16, "workload.max_response_len": 24,
+           "checkpoint.every": 1, "ray.poll_s": 0.1, "faults": [{"kind": "kill", "target": "trainer", "at_step": 2}]},
+    )
+    system = run_mode(sc, "async")
+    m = assert_recovered_run(system)
+    assert m["faults/injected"] == 1 and m["faults/recovered"] == 1
+    assert m["learn/reward_mean"] > 0
+    info = system.trainer.step_info
+    assert all(i["ranks"] == 2 and i["comm_s"] > 0 for i in info)
