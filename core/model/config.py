@@ -388,6 +388,12 @@ class SyncSpec(_Frozen):
 
     bandwidth_gb_s: float = Field(25.0, gt=0)
     """Trainer-to-rollout bandwidth in GB/s across nodes (one 200 Gb/s RDMA NIC per GPU)."""
+    bucket_overhead_s: float = Field(1e-4, ge=0)
+    """`broadcast`, sim only: fixed cost of each bucket (one collective's launch, the sender's pack
+    and the receivers' unpack calls); assumed 100 us for NCCL. The real runtime measures its own."""
+    object_store_gb_s: float = Field(0.9, gt=0)
+    """`object_store`, sim only: GB/s of float32 weights through the fallback path, put once and
+    then resolved, written and reloaded by every engine at once (measured on CPU)."""
     latency_s: float = Field(0.5, ge=0)
     """Fixed cost of one transfer: gathering shards and starting the broadcast (assumed)."""
     colocated_bandwidth_gb_s: float = Field(400.0, gt=0)
