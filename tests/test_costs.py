@@ -159,3 +159,29 @@ def test_calibrated_engine_costs_hold_in_the_fitted_placement_and_scale_in_the_o
     ratio = 1.5 if fitted == "colocated" else 1 / 1.5
     assert same.step_s(8, 1000) / other.step_s(8, 1000) == pytest.approx(ratio)
     assert same.prefill_s(0, 10) / other.prefill_s(0, 10) == pytest.approx(ratio)
+
+
+def test_broadcast_prices_bytes_in_the_models_dtype_in_pipelined_buckets():
+    """Separated engines: the weights in the model's dtype, bucket by bucket; the slower of wire and
+    in-place load sets the pace, the other adds one bucket, every bucket pays its overhead."""
+    sc = Scenario()
+    s, g = sc.sync, sc.gpu
+    p = sc.model.params_b * 1e9
+    wire, load = s.bandwidth_gb_s * 1e9, g.hbm_gb_s * g.hbm_efficiency * 1e9 / 2
+    bucket = s.bucket_mb * 2**20
+    buckets = math.ceil(p * 2 / bucket)
+    t = TransferCost(sc, colocated=False)
+    assert t.bytes == p * 2
+    assert t.seconds() == pytest.approx(s.latency_s + buckets * s.bucket_overhead_s + p * 2 / wire + bucket / load)
+    # fp32 weights move twice the bytes; a bucket larger than the model is one bucket
+    fp32 = with_changes(sc, {"model.dtype_bytes": 4, "sync.bucket_mb": 1e6})
+    assert TransferCost(fp32, colocated=False).seconds() == pytest.approx(s.latency_s + s.bucket_overhead_s + p * 4 / wire + p * 4 / load)
+    # a load slower than the wire sets the pace instead, and the wire adds one bucket
+    slow = with_changes(sc, {"gpu.hbm_gb_s": 20.0, "gpu.hbm_efficiency": 1.0})
+    assert TransferCost(slow, colocated=False).seconds() == pytest.approx(
+        s.latency_s + buckets * s.bucket_overhead_s + p * 2 / 10e9 + bucket / wire
+    )
+    # the fallback moves float32 copies at its measured rate
+    store = with_changes(sc, {"sync.transport": "object_store"})
+    assert TransferCost(store, colocated=False).seconds() == pytest.approx(s.latency_s + p * 4 / (s.object_store_gb_s * 1e9))
+    assert TransferCost(store, colocated=False).seconds() > 10 * t.seconds()

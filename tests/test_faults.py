@@ -950,3 +950,28 @@ def test_control_calls_run_in_place_only_when_every_engine_answers_at_once():
     assert e.answers_now()
     e.hang_next = "clear_cache"
     assert not e.answers_now()
+
+
+def test_a_trainer_killed_between_its_checkpoint_and_the_ack_is_not_given_its_trained_groups_again(tmp_path):
+    """The ray trainer saves its checkpoint, then acknowledges the queue: a kill in between
+    leaves groups unacknowledged that the restored ledger counts as trained. The rollout actor
+    acknowledges those from the ledger's mask and redelivers only the rest."""
+    from core.runtimes.ray import RolloutHost  # imports torch (core.real): only this test pays for it
+
+    async def main():
+        host = RolloutHost(base(), "async", str(tmp_path))
+        host.queue = durable_queue(tmp_path)
+        gs = [group(i) for i in range(3)]
+        for g in gs:
+            await host.queue.put(g, g.version)
+        given = await host.get_batch(3)
+        assert ids(given) == [0, 1, 2]
+        trained = Ledger(max_staleness=1)
+        trained.trained_groups(given[:2], 0, 3.0)  # in the checkpoint; the ack never came
+        assert await host.redeliver(trained.trained_mask()) == 1
+        assert ids(await host.queue.get_batch(1)) == [2]
+        assert ids(host.queue.unacked()) == [2]
+        # With no mask (a checkpoint from before any step) everything unacknowledged comes back.
+        assert await host.redeliver() == 1
+
+    asyncio.run(main())

@@ -373,11 +373,27 @@ class StalenessSpec(_Frozen):
 
 
 class SyncSpec(_Frozen):
-    """Weight transfer from trainer to rollout engines. Read by: the sim runtime only (a real run
-    measures its transfers)."""
+    """Weight transfer from trainer to rollout engines. Read by: the sim runtime for the costs
+    (a real run measures its transfers); the LLM ray runtime for ``transport`` and ``bucket_mb``."""
+
+    transport: Literal["broadcast", "object_store"] = "broadcast"
+    """LLM ray runtime: how weights reach the engines. `broadcast`: a collective broadcast from the
+    trainer into every engine's parameters (gloo on CPU, NCCL on GPU), bucket by bucket, in the
+    engines' dtype (core/real/weight_broadcast.py). `object_store`: fp32 copies put in Ray's object
+    store once per version, which every engine resolves (the seeds' ray.put pattern; the fallback
+    for engines that cannot join a process group). The env ray runtime always uses the object store."""
+    bucket_mb: float = Field(64.0, gt=0, le=MAX_GB * 1024)
+    """`broadcast`: the most MiB one bucket holds (a tensor larger goes alone): the extra memory a
+    sync needs on each side. 64: measured on CPU, larger buckets gained nothing (docs/results/2026-12-02-broadcast-sync.md)."""
 
     bandwidth_gb_s: float = Field(25.0, gt=0)
     """Trainer-to-rollout bandwidth in GB/s across nodes (one 200 Gb/s RDMA NIC per GPU)."""
+    bucket_overhead_s: float = Field(1e-4, ge=0)
+    """`broadcast`, sim only: fixed cost of each bucket (one collective's launch, the sender's pack
+    and the receivers' unpack calls); assumed 100 us for NCCL. The real runtime measures its own."""
+    object_store_gb_s: float = Field(0.9, gt=0)
+    """`object_store`, sim only: GB/s of float32 weights through the fallback path, put once and
+    then resolved, written and reloaded by every engine at once (measured on CPU)."""
     latency_s: float = Field(0.5, ge=0)
     """Fixed cost of one transfer: gathering shards and starting the broadcast (assumed)."""
     colocated_bandwidth_gb_s: float = Field(400.0, gt=0)
@@ -502,6 +518,9 @@ class EngineSpec(_Frozen):
     """vLLM on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."""
     vllm_gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """vLLM on GPU: fraction of device memory the engine may take."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """The engines' parameter dtype, which the weights are sent in. `auto`: the model's own (its
+    config.json's torch_dtype; the tiny model is saved as float32). The trainer keeps float32."""
 
 
 class LearnSpec(_Frozen):

@@ -63,6 +63,17 @@ class Ledger:
             self.dropped[reason] += g.size
             self.wasted_tokens += sum(s.n_response for s in g.samples)
 
+    def trained_mask(self) -> bytes:
+        """One byte per sample uid, 1 where trained: what another process needs to tell which
+        of its groups this ledger has trained (``all_trained``)."""
+        return bytes(self._trained_mask)
+
+    @staticmethod
+    def all_trained(mask: bytes, group: Group) -> bool:
+        """Every sample of ``group`` is marked in ``mask`` (``trained_mask``)."""
+        lo = group.samples[0].uid
+        return lo + group.size <= len(mask) and all(mask[lo : lo + group.size])
+
     def trained_groups(self, groups: list[Group], version: int, now: float) -> None:
         mask = self._trained_mask
         for g in groups:

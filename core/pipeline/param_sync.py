@@ -4,7 +4,9 @@ Pausing drains generations in flight (async), aborts them (partial) or freezes t
 engines (inflight), which then take the new weights between two decode steps.
 
 Pause time (rollout stopped, drain included) and transfer time are recorded apart, so a
-report shows whether a sync costs bandwidth or waiting for the longest response.
+report shows whether a sync costs bandwidth or waiting for the longest response. Transfer time
+is the weights' whole way: the trainer's send and every engine's load (for a collective
+transfer the two run at once; for an object store, the put then the engines' loads).
 """
 
 from __future__ import annotations
@@ -60,9 +62,12 @@ class ParamSync:
     async def finish(self, version: int, t0: float, t1: float) -> None:
         """The rest of a sync once rollout is paused: move the weights, resume."""
         loop = asyncio.get_running_loop()
-        weights = await self.transfer.send(version)
+        if getattr(self.transfer, "collective", False):
+            await self._together(version)
+        else:
+            weights = await self.transfer.send(version)
+            await self.rollouter.update_weights(version, weights)
         t2 = loop.time()
-        await self.rollouter.update_weights(version, weights)
         await self.rollouter.resume()
         t3 = loop.time()
         self.drain_s.append(t1 - t0)
@@ -73,3 +78,16 @@ class ParamSync:
             self.timeline.add("rollout", SYNC, t1, t3)  # engines stop once drained or aborted
         if self.on_synced is not None:
             self.on_synced(WeightsSynced(version, t3, t3 - t0, t1 - t0, t2 - t1))
+
+    async def _together(self, version: int) -> None:
+        """A collective transfer: the trainer sends while the engines receive, so the two run
+        at once; it ends when every engine has loaded (or the rollout side took no part)."""
+        ticket = self.transfer.ticket(version)
+        receiving = asyncio.ensure_future(self.rollouter.update_weights(version, ticket))
+        try:
+            await self.transfer.send(ticket, receiving)
+        except BaseException:
+            receiving.cancel()
+            await asyncio.gather(receiving, return_exceptions=True)
+            raise
+        await receiving

@@ -82,6 +82,9 @@ class Rollouter:
         self._weights: Any = None  # the latest version's weights, for a worker back from a restart
         self._weights_version = 0  # their version, set before the live engines load them
         self._down: set[int] = set()  # workers lost and not yet back
+        # Back from a restart, waiting for the next sync: collective weights (a broadcast) can
+        # only be taken together with every other engine, never by one alone.
+        self._rejoining: set[int] = set()
         self._recovering: dict[int, asyncio.Task] = {}
         self._failure: Optional[BaseException] = None
         self._next_prompt = 0
@@ -251,6 +254,11 @@ class Rollouter:
         e = self.engines[i]
         try:
             await e.recover()
+            if getattr(self._weights, "collective", False):
+                self._rejoining.add(i)
+                self._recovering.pop(i, None)
+                self._wake.set()
+                return
             while True:  # a sync may move the version while the worker loads
                 # A sync under way has set the new weights already: a worker back before it
                 # ends is not among the engines it loads, so it loads them itself.
@@ -268,6 +276,10 @@ class Rollouter:
             self._wake.set()
             return
         self._recovering.pop(i, None)
+        self._back(i)
+
+    def _back(self, i: int) -> None:
+        """Worker ``i`` is up with the current weights: route to it again."""
         self._down.discard(i)
         heapq.heappush(self._loads, (self._assigned[i], i))
         self.faults.recovered(worker_key(i), asyncio.get_running_loop().time())
@@ -326,9 +338,28 @@ class Rollouter:
         if version < self.version:
             return
         self._weights, self._weights_version = weights, version
-        await self._each_up("update_weights", version, weights)
+        if getattr(weights, "collective", False):
+            await self._update_together(version, weights)
+        else:
+            await self._each_up("update_weights", version, weights)
         self.version = version
         self.dropped_from_queue(self.queue.set_version(version), "stale")
+
+    async def _update_together(self, version: int, weights: Any) -> None:
+        """A collective load: the live engines and those back from a restart, each told who
+        else takes part (a restarted one makes the group form anew)."""
+        joining, self._rejoining = self._rejoining, set()
+        up = [i for i in range(len(self.engines)) if i not in self._down or i in joining]
+        weights = weights.addressed([self.engines[i].name for i in up], regroup=bool(joining))
+        results = await asyncio.gather(*(self.engines[i].update_weights(version, weights) for i in up), return_exceptions=True)
+        for i, r in zip(up, results):
+            if isinstance(r, WorkerLost):
+                self._down.discard(i)  # a rejoining one was still marked down: lost anew
+                self.worker_lost(i, r)
+            elif isinstance(r, BaseException):
+                raise r
+            elif i in joining:
+                self._back(i)
 
     async def resume(self) -> None:
         self._paused = False

@@ -37,7 +37,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from core.model.sample import Group, Sample
 from core.real.engine_meter import EngineMeter
-from core.real.hf_model import load_model
+from core.real.hf_model import load_model, model_dtype
+from core.real.weight_broadcast import BroadcastTicket, GroupMember, RollCall, manifest_of
 from core.model.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -128,9 +129,11 @@ class TorchEngine(EngineMeter):
         threads: int = 1,
         timeline: Optional[Timeline] = None,
         device: str = "cpu",
+        dtype: str = "auto",
     ) -> None:
         self.name = name
         self.model_dir = Path(model_dir)
+        self.dtype = model_dtype(self.model_dir, dtype)
         self.max_num_seqs = max_num_seqs
         # Public so tests can switch to greedy (0.0) between generations.
         self.temperature = temperature
@@ -157,6 +160,8 @@ class TorchEngine(EngineMeter):
         self._thawed.set()
         self._between = asyncio.Event()  # clear while a step runs in the worker thread
         self._between.set()
+        self._roll = RollCall(name)  # weights by broadcast: this engine's answers to the trainer
+        self._member: Optional[GroupMember] = None
 
     @property
     def frozen(self) -> bool:
@@ -175,7 +180,8 @@ class TorchEngine(EngineMeter):
 
     def _load(self):
         _register_gqa_sdpa()
-        return load_model(self.model_dir, attn_implementation=GQA_SDPA).to(self.device).eval()
+        model = load_model(self.model_dir, attn_implementation=GQA_SDPA, dtype=getattr(torch, self.dtype))
+        return model.to(self.device).eval()
 
     async def generate(self, group: Group, max_response_len: int) -> bool:
         """Generate every unfinished response of ``group``; False if aborted first."""
@@ -258,7 +264,10 @@ class TorchEngine(EngineMeter):
             req.cut(version)
         self.version = version
 
-    def _load_weights(self, weights: dict[str, np.ndarray]) -> None:
+    def _load_weights(self, weights) -> None:
+        if isinstance(weights, BroadcastTicket):
+            self._receive(weights)
+            return
         state = {k: torch.from_numpy(np.asarray(v)) for k, v in weights.items()}
         with torch.no_grad():
             missing, unexpected = self.model.load_state_dict(state, strict=False)
@@ -266,6 +275,30 @@ class TorchEngine(EngineMeter):
         missing = [k for k in missing if not (tied and k == "lm_head.weight")]
         if missing or unexpected:
             raise ValueError(f"{self.name}: weights do not match the model: missing {missing}, unexpected {unexpected}")
+
+    def _receive(self, ticket: BroadcastTicket) -> None:
+        """Take a broadcast: every tensor lands in its parameter, through one bucket, or
+        straight into the parameter when it is a bucket alone."""
+        self._roll.timeout_s = ticket.timeout_s
+        m, join = self._roll.answer(ticket)
+        params = dict(self.model.named_parameters())  # a tied lm_head is the embedding's tensor: listed once
+        if join:
+            if self._member is not None:
+                self._member.close()
+            self._member = None
+            self._member = GroupMember(m, manifest_of(params.items()), device=str(self.device),
+                                       timeout_s=ticket.timeout_s, who=self.name)
+
+        def load(views) -> None:
+            for name, v in views:
+                params[name].copy_(v)
+
+        def direct(spec):
+            p = params[spec.name]
+            return p.data.view(-1).view(torch.uint8) if p.is_contiguous() else None
+
+        with torch.no_grad():
+            self._member.receive(ticket.bucket_bytes, load, direct=direct)
 
     async def clear_cache(self) -> None:
         """KV rows are dropped as soon as their request ends: nothing is cached across requests."""

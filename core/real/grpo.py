@@ -264,6 +264,16 @@ class TorchTrainBackend:
         with self._lock, torch.no_grad():
             return {n: _full(p).detach().to("cpu", torch.float32).numpy().copy() for n, p in self.model.named_parameters()}
 
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """The live parameters, no copy, under the names ``save_pretrained`` writes (a tied
+        lm_head once): for a sender that casts them bucket by bucket. Read under ``lock``."""
+        return dict(self.model.named_parameters())
+
+    @property
+    def lock(self):
+        """Held by a train step: whoever reads ``parameters`` holds it too."""
+        return self._lock
+
     def load_weights(self, weights: dict[str, np.ndarray]) -> None:
         if self.sharded:
             raise ValueError("a sharded trainer loads weights through load(), on every rank at once")

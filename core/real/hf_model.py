@@ -49,3 +49,15 @@ def load_tokenizer(path: str | Path):
     if is_owned(Path(path), TINY_MODEL_KIND):
         return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def model_dtype(path: str | Path, dtype: str = "auto") -> str:
+    """The engines' parameter dtype: ``dtype`` unless ``auto``, else the directory's own
+    (config.json's ``torch_dtype``, or ``dtype`` in newer transformers; float32 if it says none)."""
+    import json
+
+    if dtype != "auto":
+        return dtype
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    found = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
+    return found.removeprefix("torch.")

@@ -294,12 +294,19 @@ class RolloutHost:
     async def ack(self) -> None:
         self.queue.ack()
 
-    async def redeliver(self) -> int:
-        """A restarted trainer: drop the dead one's wait, hand back what it was given since its checkpoint."""
+    async def redeliver(self, trained: bytes = b"") -> int:
+        """A restarted trainer: drop the dead one's wait, hand back what it was given since its
+        checkpoint. ``trained``: the restored ledger's ``trained_mask``; a group it counts was
+        trained before a checkpoint whose ack the kill cut off, and is acknowledged, not given again."""
         if self._get is not None and not self._get.done():
             self._get.cancel()
             await asyncio.gather(self._get, return_exceptions=True)
-        return self.queue.redeliver()
+        q = self.queue
+        done = [q.wire.key(g) for g in q.unacked() if Ledger.all_trained(trained, g)]
+        if done:
+            log.info("%d group(s) trained before the checkpoint were never acknowledged; not redelivered", len(done))
+            q.ack(done)
+        return q.redeliver()
 
     async def inject(self, i: int) -> None:
         """Fault ``i`` of the scenario, on a rollout worker (the driver fires it)."""
@@ -465,7 +472,7 @@ class TrainerHost:
         """A restarted trainer: back to the latest checkpoint; the queue hands back what the
         dead one was given since."""
         await asyncio.to_thread(restore_trainer_side, self.trainer, self.ledger, self.backend, self.run_dir, self.mode)
-        await _timed(self.rollout.redeliver.remote(), self.sc.timeouts.control_s, "rollouter", "redeliver")
+        await _timed(self.rollout.redeliver.remote(self.ledger.trained_mask()), self.sc.timeouts.control_s, "rollouter", "redeliver")
 
     async def run(self, resync: bool = False) -> None:
         """Train to the end; ``resync``: first move the engines to this trainer's weights."""

@@ -5,6 +5,8 @@ Each is a roofline from the scenario's hardware and model figures, nothing fitte
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from core.model.config import ModelSpec, Scenario, kv_capacity_tokens
@@ -156,20 +158,46 @@ def dp_comm_s(sc: Scenario, gpus: int, logprob_pass: bool) -> float:
 
 
 class TransferCost:
-    """Weight transfer: latency + bytes / bandwidth; a broadcast costs one pass however many receive.
-    Colocated, each sync also pays the switch between trainer and engine memory (``switch_s``)."""
+    """Weight transfer at a sync; a broadcast costs one pass however many receive.
+
+    Colocated: latency + the switch between trainer and engine memory (``switch_s``) + the
+    in-node reshard at ``sync.colocated_bandwidth_gb_s``.
+
+    Separated, ``sync.transport: broadcast`` (core/real/weight_broadcast.py): the weights in the
+    model's dtype go out in buckets of ``sync.bucket_mb``; a receiver loads bucket i into its
+    parameters while bucket i + 1 is on the wire, so of the two stages (wire at
+    ``sync.bandwidth_gb_s``, load at the device's copy rate) the slower one sets the pace and the
+    other adds one bucket's worth; each bucket pays ``sync.bucket_overhead_s``:
+
+        latency + n_buckets * overhead + max(wire, load) + bucket / max(bandwidth, load rate)
+
+    ``object_store``: float32 copies put once and resolved, written and reloaded by every engine
+    at once, at ``sync.object_store_gb_s`` of float32 bytes (measured on this code)."""
 
     def __init__(self, sc: Scenario, colocated: bool) -> None:
-        s = sc.sync
-        self.bytes = sc.model.params_b * 1e9 * sc.model.dtype_bytes
+        s, m, g = sc.sync, sc.model, sc.gpu
+        params = m.params_b * 1e9
+        self.bytes = params * m.dtype_bytes
         self.switch_s = colocated_switch_s(sc) if colocated else 0.0
         self.latency_s = s.latency_s + self.switch_s
-        self.bandwidth = (s.colocated_bandwidth_gb_s if colocated else s.bandwidth_gb_s) * 1e9
+        self.pipeline_s = 0.0  # bucket overheads and the pipeline's fill, besides bytes / bandwidth
+        if colocated:
+            self.bandwidth = s.colocated_bandwidth_gb_s * 1e9
+        elif s.transport == "object_store":
+            self.bytes = params * 4.0
+            self.bandwidth = s.object_store_gb_s * 1e9
+        else:
+            wire = s.bandwidth_gb_s * 1e9
+            load = g.hbm_gb_s * g.hbm_efficiency * 1e9 / 2.0  # an in-place copy reads and writes
+            bucket = min(s.bucket_mb * 2**20, self.bytes)
+            buckets = math.ceil(self.bytes / bucket)
+            self.bandwidth = min(wire, load)
+            self.pipeline_s = buckets * s.bucket_overhead_s + bucket / max(wire, load)
         if sc.calibrated is not None:  # measured (harness/calibrate.py): the whole pause, whatever the bytes
-            self.switch_s, self.latency_s, self.bandwidth = 0.0, sc.calibrated.transfer_s, float("inf")
+            self.switch_s, self.latency_s, self.pipeline_s, self.bandwidth = 0.0, sc.calibrated.transfer_s, 0.0, float("inf")
 
     def seconds(self) -> float:
-        return self.latency_s + self.bytes / self.bandwidth
+        return self.latency_s + self.pipeline_s + self.bytes / self.bandwidth
 
 
 def colocated_switch_s(sc: Scenario) -> float:

@@ -1,0 +1,59 @@
+"""BroadcastTransfer: ParamSync's weight transfer by collective broadcast, beside
+ObjectStoreTransfer. The trainer is rank 0 of a group with every engine
+(core/real/weight_broadcast.py); nothing goes through the object store, no file is written and
+the trainer's float32 weights are cast bucket by bucket into the engines' dtype.
+
+A broadcast needs its receivers at the same time as its sender, so ParamSync gives the rollout
+side a ticket and runs ``send`` while the engines receive (``collective``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, Callable, Optional
+
+from core.real.weight_broadcast import BroadcastSource, BroadcastTicket, SendStats, manifest_of
+
+
+class BroadcastTransfer:
+    """ParamSync's WeightTransfer by broadcast from the trainer's process."""
+
+    collective = True
+
+    def __init__(self, backend: Any, host: str, *, bucket_bytes: int, dtype: str, device: str = "cpu",
+                 timeout_s: float = 60.0, put: Optional[Callable[[Any], Any]] = None, publish_every: int = 0) -> None:
+        self.backend = backend
+        self.dtype = dtype
+        with backend.lock:
+            self.manifest = manifest_of(backend.parameters().items(), dtype)
+        self.source = BroadcastSource(host, bucket_bytes=bucket_bytes, device=device, timeout_s=timeout_s)
+        # Evaluators read weights from the object store: every ``publish_every`` versions the
+        # weights are put there too, after the broadcast (0: never).
+        self.put, self.publish_every = put, publish_every
+        self.latest: tuple[int, list] = (0, [])
+        self.bytes = 0  # of the latest sync, in the engines' dtype
+        self.stats: list[SendStats] = []
+
+    def ticket(self, version: int) -> BroadcastTicket:
+        return self.source.ticket(version)
+
+    async def send(self, ticket: BroadcastTicket, receiving: "asyncio.Future") -> None:
+        """Broadcast while ``receiving`` (the engines' loads) runs; returns once every bucket is
+        out, or at once when the rollout side ends ``receiving`` without a roll call."""
+        skipped = threading.Event()
+        receiving.add_done_callback(lambda _: skipped.set())
+        st = await asyncio.to_thread(self._send, ticket, skipped)
+        self.stats.append(st)
+        if st.bytes:
+            self.bytes = st.bytes
+        if self.put is not None and self.publish_every and ticket.version % self.publish_every == 0:
+            weights = await asyncio.to_thread(self.backend.weights)
+            self.latest = (ticket.version, [self.put(weights)])
+
+    def _send(self, ticket: BroadcastTicket, skipped: threading.Event) -> SendStats:
+        with self.backend.lock:
+            return self.source.send(ticket, self.backend.parameters, self.manifest, skipped)
+
+    def close(self) -> None:
+        self.source.close()

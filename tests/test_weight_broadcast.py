@@ -1,0 +1,184 @@
+"""Weights by collective broadcast (core/real/weight_broadcast.py): buckets, the group, and
+engines' weights equal to the trainer's bit for bit after a sync. The ranks of a group run as
+threads of this process here (gloo does not mind); the ray test runs them as actors."""
+
+import asyncio
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from core.model.config import LearnSpec
+from core.real.weight_broadcast import (
+    BroadcastSource, GroupMember, ManifestMismatch, RollCall, TensorSpec, manifest_of, pack,
+    plan_buckets, sha256_of, views,
+)
+
+
+def test_buckets_hold_at_most_the_size_and_a_larger_tensor_goes_alone():
+    specs = [TensorSpec("a", (3, 5), "float32"), TensorSpec("b", (7,), "bfloat16"), TensorSpec("big", (40, 10), "float32"),
+             TensorSpec("c", (2,), "float16"), TensorSpec("d", (20,), "float32")]
+    buckets = plan_buckets(specs, 128)
+    assert [[s.name for s in b.specs] for b in buckets] == [["a", "b"], ["big"], ["c", "d"]]
+    assert buckets[1].nbytes == 1600  # alone, over the bucket size
+    for b in buckets:
+        if len(b.specs) > 1:
+            assert b.nbytes <= 128
+        assert all(off % 8 == 0 for off in b.offsets)
+        ends = [off + s.nbytes for s, off in zip(b.specs, b.offsets)]
+        assert all(e <= nxt for e, nxt in zip(ends, b.offsets[1:]))  # no overlap
+    assert [s.name for b in buckets for s in b.specs] == [s.name for s in specs]  # manifest order
+
+
+def test_pack_and_views_round_trip_bit_for_bit_with_a_cast_to_bf16():
+    g = torch.Generator().manual_seed(0)
+    src = {"w": torch.randn(33, 17, generator=g), "big": torch.randn(300, generator=g), "n": torch.randn(5, generator=g)}
+    for dtype in ("float32", "bfloat16"):
+        manifest = manifest_of(src.items(), dtype)
+        buckets = plan_buckets(manifest, 2048)
+        assert any(b.nbytes > 2048 for b in buckets) == (dtype == "float32")  # w alone is 2,244 bytes in fp32
+        got = {}
+        for b in buckets:
+            buf = torch.empty(b.nbytes, dtype=torch.uint8)
+            pack(buf, b, src)
+            for name, v in views(buf, b):
+                got[name] = v.clone()
+        for name, t in src.items():
+            want = t.to(getattr(torch, dtype))
+            assert got[name].dtype == want.dtype and got[name].shape == want.shape
+            assert sha256_of(got[name]) == sha256_of(want)
+
+
+def _params(seed: int, dtype=torch.float32) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"embed": torch.randn(64, 32, generator=g).to(dtype), "layer.w": torch.randn(32, 32, generator=g).to(dtype),
+            "norm": torch.randn(32, generator=g).to(dtype)}
+
+
+def _sync(source, receivers, tensors, manifest, version=1, members=None):
+    """One sync: the source sends in this thread while each receiver takes the ticket in its own."""
+    names = members if members is not None else [r[0] for r in receivers]
+    ticket = source.ticket(version).addressed(names, regroup=False)
+    errors = []
+
+    def receive(name, roll, state, params):
+        try:
+            m, join = roll.answer(ticket)
+            if join:
+                state["member"] = GroupMember(m, manifest_of(params.items()), timeout_s=20, who=name)
+                state["member"].checksums = True
+            state["bytes"] = state["member"].receive(ticket.bucket_bytes, lambda vs: [params[n].copy_(v) for n, v in vs])
+        except Exception as exc:  # noqa: BLE001 - reported to the test below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=receive, args=r) for r in receivers]
+    for t in threads:
+        t.start()
+    try:
+        st = source.send(ticket, lambda: tensors, manifest, threading.Event())
+    finally:
+        for t in threads:
+            t.join(30)
+    return st, errors
+
+
+def test_two_receivers_get_the_sources_tensors_bit_for_bit_in_their_dtype_through_one_bucket():
+    trainer = _params(1)  # fp32 master weights
+    source = BroadcastSource("127.0.0.1", bucket_bytes=4096, timeout_s=20)
+    allocated = []
+    source.on_alloc = allocated.append
+    manifest = manifest_of(trainer.items(), "bfloat16")
+    receivers = [(f"e{i}", RollCall(f"e{i}", 20), {}, _params(10 + i, torch.bfloat16)) for i in range(2)]
+    try:
+        st, errors = _sync(source, receivers, trainer, manifest)
+        assert not errors
+        assert st.regrouped and st.bytes == sum(s.nbytes for s in manifest) == (64 * 32 + 32 * 32 + 32) * 2
+        # The sender's only staging memory: one bucket, never a copy of the model.
+        assert allocated == [max(b.nbytes for b in plan_buckets(manifest, 4096))] and allocated[0] <= 4096
+        for _, _, state, params in receivers:
+            for n, t in trainer.items():
+                assert params[n].dtype == torch.bfloat16
+                assert sha256_of(params[n]) == sha256_of(t.to(torch.bfloat16)) == state["member"].received[n], n
+        # A second sync with the same members reuses the group.
+        trainer["norm"].add_(1.0)
+        st, errors = _sync(source, receivers, trainer, manifest, version=2)
+        assert not errors and not st.regrouped
+        for _, _, _, params in receivers:
+            assert sha256_of(params["norm"]) == sha256_of(trainer["norm"].to(torch.bfloat16))
+    finally:
+        source.close()
+
+
+def test_a_manifest_mismatch_is_one_error_naming_the_tensor():
+    trainer = _params(1)
+    source = BroadcastSource("127.0.0.1", bucket_bytes=4096, timeout_s=20)
+    wrong = _params(2)
+    wrong["layer.w"] = torch.zeros(32, 16)
+    receivers = [("e0", RollCall("e0", 20), {}, wrong)]
+    try:
+        with pytest.raises(ManifestMismatch, match=r"layer\.w.*\[32, 32\] float32.*\[32, 16\] float32"):
+            _, errors = _sync(source, receivers, trainer, manifest_of(trainer.items()))
+    finally:
+        source.close()
+
+
+def test_a_sync_nobody_answers_sends_nothing():
+    source = BroadcastSource("127.0.0.1", bucket_bytes=4096, timeout_s=20)
+    try:
+        skipped = threading.Event()
+        skipped.set()
+        st = source.send(source.ticket(1), lambda: {}, [], skipped)
+        assert st.bytes == 0 and source.group is None
+    finally:
+        source.close()
+
+
+def test_torch_engines_in_bf16_take_a_trainers_fp32_weights_bit_for_bit_with_no_fp32_copy(tiny_model_dir, monkeypatch):
+    from core.real.engine_torch import TorchEngine
+    from core.real.grpo import TorchTrainBackend
+    from core.runtimes.broadcast_transfer import BroadcastTransfer
+
+    backend = TorchTrainBackend(tiny_model_dir, LearnSpec(), threads=1)
+    with torch.no_grad():  # weights a train step could have made
+        for p in backend.model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    # The broadcast path never makes the trainer's fp32 numpy copy of the model.
+    monkeypatch.setattr(backend, "weights", lambda: pytest.fail("weights() copied the model"))
+    engines = [TorchEngine(f"e{i}", tiny_model_dir, dtype="bfloat16") for i in range(2)]
+    bucket = 8 * 1024
+    transfer = BroadcastTransfer(backend, "127.0.0.1", bucket_bytes=bucket, dtype="bfloat16", timeout_s=20)
+    allocated = []
+    transfer.source.on_alloc = allocated.append
+
+    async def sync(version):
+        ticket = transfer.ticket(version).addressed([e.name for e in engines], regroup=False)
+        receiving = asyncio.ensure_future(asyncio.gather(*(e.update_weights(version, ticket) for e in engines)))
+        await transfer.send(ticket, receiving)
+        await receiving
+
+    async def main():
+        for e in engines:
+            await e.start()
+        await sync(1)
+
+    try:
+        asyncio.run(main())
+        trained = backend.parameters()
+        embed = "model.embed_tokens.weight"
+        assert trained[embed].numel() * 2 > bucket  # the embedding goes alone, straight into the engines' parameter
+        for e in engines:
+            got = dict(e.model.named_parameters())
+            assert got.keys() == trained.keys()
+            for n, t in trained.items():
+                assert got[n].dtype == torch.bfloat16
+                assert sha256_of(got[n]) == sha256_of(t.detach().to(torch.bfloat16)), n
+            assert e.model.lm_head.weight.data_ptr() == got[embed].data_ptr()  # still tied
+            assert e.version == 1
+        assert transfer.bytes == sum(t.numel() * 2 for t in trained.values())
+        # One staging buffer: a bucket, or the largest tensor when one is larger (it goes alone),
+        # in bf16 - a fraction of the model, never its fp32 copy.
+        largest = max(t.numel() * 2 for t in trained.values())
+        assert allocated == [max(bucket, largest)] and allocated[0] * 4 < transfer.bytes
+    finally:
+        transfer.close()
