@@ -141,6 +141,8 @@ def collect(
         "tokens/prefill": sum(e.prefill_tokens for e in engines),
         "rollout/preemptions": sum(e.preemptions for e in engines),
         "tokens/recomputed_prefill": sum(e.recomputed_tokens for e in engines),
+        "rollout/sticky_resumes": sum(e.sticky_resumes for e in engines),
+        "rollout/moved_resumes": sum(e.moved_resumes for e in engines),
         "trainer/steps": result.trainer.step,
         "trainer/final_version": result.trainer.version,
     }

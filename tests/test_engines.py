@@ -48,11 +48,11 @@ def reference(model_dir):
         sd = original if state is None else {k: torch.from_numpy(v) for k, v in state.items()}
         model.load_state_dict(sd, strict=False)
         p = len(sample.prompt_tokens)
-        ids = torch.tensor([list(sample.prompt_tokens) + sample.response_tokens])
+        ids = torch.tensor([list(sample.prompt_tokens) + sample.response_tokens.tolist()])
         with torch.no_grad():
             logits = model(input_ids=ids).logits[0, p - 1 : -1]
         lp = torch.log_softmax(logits / temperature, dim=-1)
-        return lp.gather(1, torch.tensor(sample.response_tokens)[:, None])[:, 0].numpy()
+        return lp.gather(1, torch.tensor(sample.response_tokens.tolist())[:, None])[:, 0].numpy()
 
     return logprobs
 
@@ -214,7 +214,7 @@ def test_weights_change_the_engine(engine, loop, reference, weights, perturbed):
     def greedy() -> list[list[int]]:
         g = make_group(2, PROMPT)
         assert loop.run_until_complete(engine.generate(g, 24))
-        return [s.response_tokens for s in g.samples]
+        return [s.response_tokens.tolist() for s in g.samples]
 
     engine.temperature = 0.0
     try:

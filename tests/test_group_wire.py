@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.model.group_wire import KIND, decode_group, encode_group, to_record
+from core.model.group_wire import KIND, attach_tokens, decode_group, encode_group, encode_tokens, to_record
 from core.model.sample import Group, Sample
 from ext import codec
 from ext.errors import CodecError
@@ -35,7 +35,9 @@ def assert_same_group(a: Group, b: Group) -> None:
             if isinstance(u, float):
                 assert same_float(u, v), f
             elif f == "logprobs":  # NaN logprobs compare by their bits
-                assert np.asarray(u, np.float64).tobytes() == np.asarray(v, np.float64).tobytes()
+                assert u.dtype == v.dtype == np.float64 and u.tobytes() == v.tobytes(), f
+            elif f == "response_tokens":
+                assert u.dtype == v.dtype == np.int32 and np.array_equal(u, v), f
             else:
                 assert u == v and type(u) is type(v), f
         if x.prompt_tokens is None:
@@ -201,3 +203,29 @@ def groups(draw):
 def test_random_groups_round_trip_through_bytes_and_pickle(g):
     assert_same_group(g, decode_group(encode_group(g)))
     assert_same_group(g, pickle.loads(pickle.dumps(g, protocol=5)))
+
+
+# -- the tokens record: a group's tokens alone, moved apart from its metadata ---------------------
+def test_the_trainer_side_refuses_tokens_of_another_group():
+    g = _group_from_lists(3, [[1, 2, 3], [4]])
+    other = _group_from_lists(4, [[1, 2, 3], [4]])
+    short = _group_from_lists(3, [[1, 2], [4]])
+
+    with pytest.raises(CodecError, match="not the tokens of prompt 4"):
+        attach_tokens(other.without_tokens(), encode_tokens(g))
+    meta = short.without_tokens()
+    with pytest.raises(CodecError, match=r"\[3, 1\] tokens for \[2, 1\] generated"):
+        attach_tokens(meta, encode_tokens(g))
+    meta = g.without_tokens()
+    assert all(len(s.response_tokens) == 0 and s.n_response for s in meta.samples)
+    attach_tokens(meta, encode_tokens(g))
+    assert [s.response_tokens.tolist() for s in meta.samples] == [[1, 2, 3], [4]]
+
+
+def _group_from_lists(pid: int, responses: list[list[int]]) -> Group:
+    samples = []
+    for i, r in enumerate(responses):
+        s = Sample(pid * 10 + i, pid, i, 0)
+        s.add_tokens(len(r), 0, r, [-0.5] * len(r))
+        samples.append(s)
+    return Group(prompt_id=pid, samples=samples, version=0, admitted_at=0.0)

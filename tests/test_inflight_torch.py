@@ -74,7 +74,7 @@ def inflight_reference(model, sample: Sample, k: int, old: dict, new: dict) -> n
         model.load_state_dict({n: torch.from_numpy(v) for n, v in state.items()}, strict=False)
 
     p = len(sample.prompt_tokens)
-    ids = torch.tensor([list(sample.prompt_tokens) + sample.response_tokens])
+    ids = torch.tensor([list(sample.prompt_tokens) + sample.response_tokens.tolist()])
     with torch.no_grad():
         load(old)
         first = model(input_ids=ids[:, : p + k - 1], use_cache=True)
@@ -82,7 +82,7 @@ def inflight_reference(model, sample: Sample, k: int, old: dict, new: dict) -> n
         rest = model(input_ids=ids[:, p + k - 1 : -1], past_key_values=first.past_key_values, use_cache=True)
     logits = torch.cat([first.logits[0, p - 1 :], rest.logits[0]])
     lp = torch.log_softmax(logits, dim=-1)
-    return lp.gather(1, torch.tensor(sample.response_tokens)[:, None])[:, 0].numpy()
+    return lp.gather(1, torch.tensor(sample.response_tokens.tolist())[:, None])[:, 0].numpy()
 
 
 def test_update_under_running_requests(engine, loop, tiny_model_dir, weights, perturbed):
@@ -144,8 +144,8 @@ def test_identical_weights_do_not_perturb_sampling(tiny_model_dir, loop, weights
     assert any(len(s.version_spans) == 3 for s in synced.samples), "some response spans both syncs"
     for a, b in zip(plain.samples, synced.samples):
         check_sample(b)
-        assert a.response_tokens == b.response_tokens
-        assert a.logprobs == b.logprobs
+        np.testing.assert_array_equal(a.response_tokens, b.response_tokens)
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)
         assert a.version_spans == [[0, a.n_response]]
         versions = [v for v, _ in b.version_spans]
         assert versions[0] == 0 and versions == sorted(set(versions)) and set(versions) <= {0, 1, 2}

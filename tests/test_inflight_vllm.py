@@ -54,7 +54,7 @@ def reference(tiny_model_dir):
 
     def logprobs(sample: Sample, n: int) -> np.ndarray:
         p = len(sample.prompt_tokens)
-        response = sample.response_tokens[:n]
+        response = sample.response_tokens[:n].tolist()
         ids = torch.tensor([list(sample.prompt_tokens) + response])
         with torch.no_grad():
             logits = model(input_ids=ids).logits[0, p - 1 : -1]

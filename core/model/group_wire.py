@@ -17,7 +17,7 @@ import pickle
 
 import numpy as np
 
-from core.model.sample import Group, Sample
+from core.model.sample import LOGPROB_DTYPE, TOKEN_DTYPE, Group, Sample
 from ext import codec
 
 KIND = "asyncrl.group/1"
@@ -30,8 +30,15 @@ def _offsets(lengths: list[int]) -> np.ndarray:
     return out
 
 
+def _joined(parts: list, dtype) -> np.ndarray:
+    """The samples' arrays end to end, in ``dtype``: one copy, no element in Python."""
+    if not parts:
+        return np.zeros(0, dtype)
+    return np.concatenate([np.asarray(p) for p in parts], dtype=dtype, casting="same_kind")
+
+
 def to_record(group: Group) -> codec.Sample:
-    """The group as one codec record."""
+    """The group as one codec record: the samples' token arrays concatenated, none read per token."""
     ss = group.samples
     prompts = [s.prompt_tokens for s in ss]
     has_prompt = np.fromiter((p is not None for p in prompts), bool, len(ss))
@@ -47,9 +54,9 @@ def to_record(group: Group) -> codec.Sample:
         "reward": np.fromiter((0.0 if s.reward is None else s.reward for s in ss), np.float64, len(ss)),
         "times": np.array([[getattr(s, t) for t in _TIMES] for s in ss], dtype=np.float64).reshape(len(ss), 4),
         "token_offsets": _offsets([len(s.response_tokens) for s in ss]),
-        "tokens": np.array([t for s in ss for t in s.response_tokens], dtype=np.int32),
+        "tokens": _joined([s.response_tokens for s in ss], TOKEN_DTYPE),
         "logprob_offsets": _offsets([len(s.logprobs) for s in ss]),
-        "logprobs": np.array([x for s in ss for x in s.logprobs], dtype=np.float64),
+        "logprobs": _joined([s.logprobs for s in ss], LOGPROB_DTYPE),
         "span_offsets": _offsets([len(s.version_spans) for s in ss]),
         "spans": np.array([sp for s in ss for sp in s.version_spans], dtype=np.int64).reshape(-1, 2),
         "has_prompt": has_prompt,
@@ -132,8 +139,9 @@ def from_record(rec: codec.Sample) -> Group:
                 index=int(columns[0][i]),
                 n_prompt=int(columns[1][i]),
                 prompt_tokens=prompt,
-                response_tokens=tokens[tok_off[i] : tok_off[i + 1]].tolist(),
-                logprobs=logprobs[lp_off[i] : lp_off[i + 1]].tolist(),
+                # Views into the record: no copy, no element in Python.
+                response_tokens=tokens[tok_off[i] : tok_off[i + 1]],
+                logprobs=logprobs[lp_off[i] : lp_off[i + 1]],
                 n_response=int(columns[2][i]),
                 version_spans=spans[sp_off[i] : sp_off[i + 1]].tolist(),
                 reward=float(columns[6][i]) if columns[5][i] else None,
@@ -181,9 +189,69 @@ def _pickled(group: Group, protocol: int):
     return pickle.PickleBuffer(data) if protocol >= 5 else data
 
 
+def _decode_with_payload(buf, payload) -> Group:
+    group = decode_group(buf)
+    group.payload = payload
+    return group
+
+
 def reduce_group(group: Group, protocol: int) -> tuple:
-    """``Group.__reduce_ex__``: codec bytes, out of band at protocol 5."""
+    """``Group.__reduce_ex__``: codec bytes, out of band at protocol 5; a payload (an object
+    reference) rides beside them, for the pickler that moves it (Ray's) to track."""
+    if group.payload is not None:
+        return _decode_with_payload, (_pickled(group, protocol), group.payload)
     return decode_group, (_pickled(group, protocol),)
+
+
+# -- a group's tokens alone: what an engine hands the trainer by reference ----------------------
+TOKENS_KIND = "asyncrl.tokens/1"
+
+
+def tokens_record(group: Group) -> codec.Sample:
+    """The samples' response tokens and logprobs, concatenated, with their offsets."""
+    ss = group.samples
+    arrays = {
+        "token_offsets": _offsets([len(s.response_tokens) for s in ss]),
+        "tokens": _joined([s.response_tokens for s in ss], TOKEN_DTYPE),
+        "logprobs": _joined([s.logprobs for s in ss], LOGPROB_DTYPE),
+    }
+    return codec.Sample(arrays=arrays, meta={"kind": TOKENS_KIND, "prompt_id": group.prompt_id})
+
+
+def encode_tokens(group: Group) -> np.ndarray:
+    """``tokens_record`` as codec bytes in a uint8 array: what Ray stores and maps back without a copy."""
+    return np.frombuffer(codec.encode(tokens_record(group)), dtype=np.uint8)
+
+
+def read_tokens(buf, prompt_id: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(offsets, tokens, logprobs) of the ``n`` samples of prompt ``prompt_id`` that
+    ``encode_tokens`` wrote, as views into ``buf``; ``CodecError`` for anything else."""
+    rec = codec.decode(buf)
+    try:
+        if rec["kind"] != TOKENS_KIND or rec["prompt_id"] != prompt_id:
+            raise codec.CodecError(f"not the tokens of prompt {prompt_id}: {rec['kind']!r}, prompt {rec['prompt_id']!r}")
+        off, tokens, logprobs = rec["token_offsets"], rec["tokens"], rec["logprobs"]
+    except KeyError as exc:
+        raise codec.CodecError(f"tokens record: missing field {exc.args[0]!r}") from None
+    for name, a, dtype in (("tokens", tokens, TOKEN_DTYPE), ("logprobs", logprobs, LOGPROB_DTYPE)):
+        if not isinstance(a, np.ndarray) or a.dtype != dtype or a.ndim != 1:
+            raise codec.CodecError(f"tokens record: {name} must be a 1-d {np.dtype(dtype)} array, got {_what(a)}")
+    if len(tokens) != len(logprobs):
+        raise codec.CodecError(f"tokens record: {len(tokens)} tokens, {len(logprobs)} logprobs")
+    _check_offsets("token_offsets", off, n, len(tokens))
+    return off, tokens, logprobs
+
+
+def attach_tokens(group: Group, buf) -> None:
+    """Give ``group``'s samples the tokens ``encode_tokens`` wrote (views into ``buf``, no copy);
+    ``CodecError`` if it is not a tokens record of this group, a sample's count included."""
+    off, tokens, logprobs = read_tokens(buf, group.prompt_id, group.size)
+    counts = np.diff(off)
+    want = np.fromiter((s.n_response for s in group.samples), np.int64, group.size)
+    if not np.array_equal(counts, want):
+        raise codec.CodecError(f"tokens record of prompt {group.prompt_id}: {counts.tolist()} tokens for {want.tolist()} generated")
+    for s, a, b in zip(group.samples, off[:-1], off[1:]):
+        s.response_tokens, s.logprobs = tokens[a:b], logprobs[a:b]
 
 
 def _sample_from_wire(buf) -> Sample:

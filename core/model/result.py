@@ -29,13 +29,15 @@ class EngineCounters:
     step_spans: Optional[dict] = None  # a real engine's per-step rows, for calibration (harness/calibrate.py)
     preemptions: int = 0  # requests it evicted from a full KV cache (the sim engine)
     recomputed_tokens: int = 0  # their context, prefilled again when they came back
+    sticky_resumes: int = 0  # interrupted groups resumed here, the engine holding their prefix
+    moved_resumes: int = 0  # interrupted groups resumed here because their holder was down or restarted
 
     @classmethod
-    def of(cls, engine, restarts: int = 0) -> "EngineCounters":
+    def of(cls, engine, restarts: int = 0, resumes: Optional[dict] = None) -> "EngineCounters":
         spans = getattr(engine, "step_spans", None)
         spans = spans() if callable(spans) else spans
         return cls(engine.name, engine.busy_s, engine.seq_s, engine.tokens_generated, engine.prefill_tokens, restarts, spans,
-                   getattr(engine, "preemptions", 0), getattr(engine, "recomputed_tokens", 0))
+                   getattr(engine, "preemptions", 0), getattr(engine, "recomputed_tokens", 0), **(resumes or {}))
 
 
 @dataclass(frozen=True)

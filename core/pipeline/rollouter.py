@@ -90,6 +90,14 @@ class Rollouter:
         self._next_prompt = 0
         self._active: set[asyncio.Task] = set()
         self._assigned = [0] * len(engines)  # samples routed to each engine and not yet back
+        # Interrupted groups by prompt id: (engine, its life) that holds their partial tokens and
+        # prefix cache. A restart ends a life: what the engine held died with it.
+        self._holders: dict[int, tuple[int, int]] = {}
+        self._lives = [0] * len(engines)
+        # Per engine: resumed groups routed back to it as their prefix holder, and resumed groups
+        # it took because their holder was down or restarted.
+        self.sticky_resumes = [0] * len(engines)
+        self.moved_resumes = [0] * len(engines)
         # (assigned, index) of every engine, pushed on each change: the least-loaded live engine
         # is the smallest entry that is current, without a scan of all engines per group.
         self._loads = [(0, i) for i in range(len(engines))]
@@ -166,8 +174,7 @@ class Rollouter:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            # Least-loaded routing on our own count: a task just created has not reached its engine yet.
-            i = self._least_loaded()
+            i = self._route(group)
             k = len(group.unfinished())
             self._assign(i, k)
             self.running += k
@@ -183,6 +190,21 @@ class Rollouter:
         if len(loads) > 8 * len(self.engines) + 64:  # drop the stale entries
             self._loads = [(n, j) for j, n in enumerate(self._assigned)]
             heapq.heapify(self._loads)
+
+    def _route(self, group: Group) -> int:
+        """A resumed group goes back to the engine that holds its prefix while that engine is up
+        (no prefill, no token transfer); anything else to the least-loaded live engine, on our
+        own count: a task just created has not reached its engine yet."""
+        held = self._holders.pop(group.prompt_id, None) if self._holders else None
+        if held is None:
+            return self._least_loaded()
+        i, life = held
+        if i not in self._down and self._lives[i] == life:
+            self.sticky_resumes[i] += 1
+            return i
+        i = self._least_loaded()
+        self.moved_resumes[i] += 1
+        return i
 
     def _least_loaded(self) -> int:
         """The live engine with the fewest samples assigned, the lowest index on a tie."""
@@ -237,6 +259,7 @@ class Rollouter:
             for s in group.samples:
                 if not s.finished:
                     s.interrupts += 1
+            self._holders[group.prompt_id] = (i, self._lives[i])
             self.cancel_queue.append(group)
 
     # -- lost workers -------------------------------------------------------------------------
@@ -246,6 +269,7 @@ class Rollouter:
         if i in self._down:
             return
         self._down.add(i)
+        self._lives[i] += 1  # the groups it held partial tokens of resume elsewhere
         log.warning("%s; restarting it", exc)
         task = asyncio.create_task(self._recover(i), name=f"recover-{self.engines[i].name}")
         self._recovering[i] = task
@@ -286,17 +310,26 @@ class Rollouter:
         self._wake.set()
 
     async def _each_up(self, call: str, *args: Any) -> None:
-        """``call`` on every live engine at once; one that is lost is restarted, not awaited."""
-        up = [i for i in range(len(self.engines)) if i not in self._down]
+        """``call`` on every live engine at once; one that is lost is restarted, not awaited.
+
+        Engines that answer now are called one after the other, without a task each and
+        without suspending: at 1,024 GPUs, 512 tasks twice a sync were a tenth of a
+        simulation's CPU, and a simulated engine's completion due at this instant cannot slip
+        in between. The others (remote: one RPC each) are called all at once, so a sync waits
+        one round trip, not one per engine."""
         engines = self.engines
-        if all(engines[i].answers_now() for i in up):
-            # Nothing can wait: one call after the other, not a task each (at 1,024 GPUs, 512
-            # tasks twice a sync were a tenth of a simulation's CPU).
-            for i in up:
+        later = []
+        for i in range(len(engines)):
+            if i in self._down:
+                continue
+            if engines[i].answers_now():
                 engines[i].call_now(call, *args)
+            else:
+                later.append(i)
+        if not later:
             return
-        results = await asyncio.gather(*(getattr(engines[i], call)(*args) for i in up), return_exceptions=True)
-        for i, r in zip(up, results):
+        results = await asyncio.gather(*(getattr(engines[i], call)(*args) for i in later), return_exceptions=True)
+        for i, r in zip(later, results):
             if isinstance(r, WorkerLost):
                 self.worker_lost(i, r)
             elif isinstance(r, BaseException):
@@ -312,21 +345,10 @@ class Rollouter:
             await self._each_up("freeze")
             return
         if mode == "abort":
-            await self._abort_all()
+            await self._each_up("abort_all")
         if self._active:
             await asyncio.wait(list(self._active))
         await self._each_up("clear_cache")
-
-    async def _abort_all(self) -> None:
-        # One engine after the other: a simulated engine aborts without suspending, so no
-        # completion due at this instant slips in between (a remote one is one short RPC).
-        for i, e in enumerate(self.engines):
-            if i in self._down:
-                continue
-            try:
-                await e.abort_all()
-            except WorkerLost as exc:
-                self.worker_lost(i, exc)
 
     async def update_weights(self, version: int, weights: Any = None) -> None:
         """Every live engine loads ``weights`` (concurrently; one being restarted loads them once
@@ -372,7 +394,7 @@ class Rollouter:
         """End of run: interrupt everything and hand back every group not yet queued."""
         self._stopped = True
         self._paused = True
-        await self._abort_all()
+        await self._each_up("abort_all")
         if self._active:
             _, hung = await asyncio.wait(list(self._active), timeout=self.stop_timeout_s)
             for task in hung:
@@ -388,16 +410,32 @@ class Rollouter:
         self.cancel_queue.clear()
         return left
 
+    def resume_counts(self, i: int) -> dict:
+        """Engine ``i``'s resumed groups: routed back to it as their prefix holder (sticky),
+        or taken from a holder that was down or restarted (moved)."""
+        return {"sticky_resumes": self.sticky_resumes[i], "moved_resumes": self.moved_resumes[i]}
+
     def recovering(self) -> bool:
         """A worker is being restarted (a checkpoint now would not be of a quiet rollout)."""
         return bool(self._down)
 
     def state(self) -> dict:
         """What a checkpoint keeps besides the groups (taken while paused, nothing running)."""
-        return {"version": self.version, "admitted": self.admitted, "next_prompt": self._next_prompt}
+        return {
+            "version": self.version, "admitted": self.admitted, "next_prompt": self._next_prompt,
+            "holders": [[pid, i] for pid, (i, _) in self._holders.items()],
+            "sticky_resumes": list(self.sticky_resumes), "moved_resumes": list(self.moved_resumes),
+        }
 
     def restore(self, state: dict, interrupted: list[Group], retry: list[Group], paused: bool) -> None:
         self.version, self.admitted, self._next_prompt = state["version"], state["admitted"], state["next_prompt"]
+        # The engines' state is restored with this (a sim engine's whole; a real one's counters):
+        # interrupted groups are routed as the run that never stopped routes them. Absent from
+        # checkpoints written before sticky resume.
+        n = len(self.engines)
+        self._holders = {pid: (i, self._lives[i]) for pid, i in state.get("holders", []) if 0 <= i < n}
+        self.sticky_resumes = list(state.get("sticky_resumes", [0] * n))
+        self.moved_resumes = list(state.get("moved_resumes", [0] * n))
         self._paused = paused
         self.cancel_queue.extend(interrupted)
         self.retry_queue.extend(retry)

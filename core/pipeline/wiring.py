@@ -90,7 +90,10 @@ class System:
             placement=self.placement,
             ledger=self.ledger,
             timeline=self.timeline,
-            engines=[EngineCounters.of(e, sup.restarts) for e, sup in zip(self.engines, self.rollouter.engines)],
+            engines=[
+                EngineCounters.of(e, sup.restarts, self.rollouter.resume_counts(i))
+                for i, (e, sup) in enumerate(zip(self.engines, self.rollouter.engines))
+            ],
             trainer=TrainerCounters(t.step, t.version, t.wait_s, t.step_info, be.compute_s, be.flops, be.peak_flops),
             sync=SyncCounters(ps.pause_s, ps.drain_s, ps.transfer_s),
             queue_counters=self.queue.counters(),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional, Sized
 
-from core.model.sample import Sample
+from core.model.sample import Sample, logprob_array, token_array
 from core.model.timeline import GENERATE, Timeline
 
 
@@ -65,17 +65,19 @@ class EngineMeter:
     def _deliver(
         self,
         sample: Sample,
-        tokens: list[int],
-        logprobs: list[float],
+        tokens,
+        logprobs,
         finished: bool,
         now: float,
         cuts: Optional[list[tuple[int, int]]] = None,
     ) -> None:
-        """Hand a request's tokens (all it produced since it was submitted) to its sample.
+        """Hand a request's tokens (all it produced since it was submitted: arrays, or the
+        engine's own lists, made arrays here once) to its sample.
 
         ``cuts``: ``(first token, version)`` of each run of tokens, where the weights changed
         under the request (inflight); None: every token is of the current version."""
-        if tokens:
+        if len(tokens):
+            tokens, logprobs = token_array(tokens), logprob_array(logprobs)
             runs = cuts or [(0, self.version)]
             ends = [start for start, _ in runs[1:]] + [len(tokens)]
             for (start, version), end in zip(runs, ends):

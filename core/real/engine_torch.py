@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer
 
-from core.model.sample import Group, Sample
+from core.model.sample import LOGPROB_DTYPE, TOKEN_DTYPE, Group, Sample
 from core.real.engine_meter import EngineMeter
 from core.real.hf_model import load_model, model_dtype
 from core.real.weight_broadcast import BroadcastTicket, GroupMember, RollCall, manifest_of
@@ -91,21 +91,23 @@ class _SlotLayer(DynamicLayer):
 
 
 class _Request:
-    __slots__ = ("sample", "context", "max_tokens", "tokens", "logprobs", "cuts", "future", "done")
+    __slots__ = ("sample", "context", "max_tokens", "tokens", "logprobs", "n", "cuts", "future", "done")
 
     def __init__(self, sample: Sample, context: list[int], max_tokens: int, version: int, future: asyncio.Future) -> None:
         self.sample = sample
         self.context = context
         self.max_tokens = max_tokens
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
+        # The response as it is sampled, in the arrays it is handed over in: n tokens so far.
+        self.tokens = np.empty(max_tokens, dtype=TOKEN_DTYPE)
+        self.logprobs = np.empty(max_tokens, dtype=LOGPROB_DTYPE)
+        self.n = 0
         self.cuts: list[tuple[int, int]] = [(0, version)]  # (first token, version) of each run
         self.future = future
         self.done = False  # finished or aborted: its row is dropped at the next step
 
     def cut(self, version: int) -> None:
         """Tokens from here on are of ``version``."""
-        n = len(self.tokens)
+        n = self.n
         start, current = self.cuts[-1]
         if current == version:
             return
@@ -190,7 +192,7 @@ class TorchEngine(EngineMeter):
         loop = asyncio.get_running_loop()
         reqs = []
         for s in group.unfinished():
-            context = [int(t) for t in s.prompt_tokens] + list(s.response_tokens)
+            context = [int(t) for t in s.prompt_tokens] + np.asarray(s.response_tokens).tolist()
             want = min(max_response_len - s.n_response, self.max_positions - len(context))
             if want <= 0:  # resumed at the cap
                 s.finished = True
@@ -318,7 +320,8 @@ class TorchEngine(EngineMeter):
         now = asyncio.get_running_loop().time()
         self._advance(now)
         req.done = True
-        self._deliver(req.sample, req.tokens, req.logprobs, finished, now, req.cuts)
+        n = req.n  # copied out: the sample must not keep the whole max_tokens buffer alive
+        self._deliver(req.sample, req.tokens[:n].copy(), req.logprobs[:n].copy(), finished, now, req.cuts)
         self._live.discard(req)
         self._idle(now)
         if not req.future.done():
@@ -331,9 +334,11 @@ class TorchEngine(EngineMeter):
         for req, tok, lp in zip(rows, toks, lps):
             if req.done:  # aborted while the step ran: the token is never seen
                 continue
-            req.tokens.append(tok)
-            req.logprobs.append(lp)
-            if tok == self.eos_token_id or len(req.tokens) >= req.max_tokens:
+            n = req.n
+            req.tokens[n] = tok
+            req.logprobs[n] = lp
+            req.n = n = n + 1
+            if tok == self.eos_token_id or n >= req.max_tokens:
                 self._release(req, finished=True)
 
     async def _run(self) -> None:

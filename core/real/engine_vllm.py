@@ -63,6 +63,7 @@ class _Request:
         self.id = rid
         self.sample = sample
         self.ctx = ctx  # context tokens when submitted
+        # vLLM hands tokens over as lists, a few per output: kept so, made arrays once at the end.
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.spans: list[list[int]] = []  # [version, n] runs over ``tokens``
@@ -182,7 +183,7 @@ class VllmEngine(EngineMeter):
         now = loop.time()
         reqs = []
         for s in group.unfinished():
-            context = [int(t) for t in s.prompt_tokens] + list(s.response_tokens)
+            context = [int(t) for t in s.prompt_tokens] + np.asarray(s.response_tokens).tolist()
             want = min(max_response_len - s.n_response, self.max_model_len - len(context))
             if want <= 0:  # resumed at the cap
                 s.finished = True

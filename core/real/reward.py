@@ -106,7 +106,7 @@ class ServeReward:
 
         try:
             async with asyncio.timeout(self.timeout_s):
-                return await self.handle.score.remote(group.prompt_id, [list(s.response_tokens) for s in group.samples])
+                return await self.handle.score.remote(group.prompt_id, [np.asarray(s.response_tokens).tolist() for s in group.samples])
         except TimeoutError:
             raise CallTimeout("reward", "score", self.timeout_s, "timeouts.control_s") from None
         except RayError as exc:

@@ -338,7 +338,10 @@ class RolloutHost:
         return {
             "ledger": self.ledger,
             "timeline": timeline,
-            "engines": [EngineCounters.of(e, sup.restarts) for e, sup in zip(self.engines, self.rollouter.engines)],
+            "engines": [
+                EngineCounters.of(e, sup.restarts, self.rollouter.resume_counts(i))
+                for i, (e, sup) in enumerate(zip(self.engines, self.rollouter.engines))
+            ],
             "queue_counters": self.queue.counters(),
             "in_flight": producer_in_flight(self.rollouter, self.queue, self.sc.workload.group_size),
             "faults": self.faults.state(),
