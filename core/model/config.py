@@ -386,7 +386,8 @@ class SyncSpec(_Frozen):
     broadcast it waits for the next sync to rejoin, and with every engine down no sync comes."""
     bucket_mb: float = Field(64.0, gt=0, le=MAX_GB * 1024)
     """`broadcast`: the most MiB one bucket holds (a tensor larger goes alone): the extra memory a
-    sync needs on each side. 64: measured on CPU, larger buckets gained nothing (docs/results/2026-12-02-broadcast-sync.md)."""
+    sync needs on each side. 64 is meant for NCCL on GPUs (not measured); on CPU with gloo 4-16 were
+    faster than 64 (docs/results/2026-12-02-broadcast-sync.md)."""
 
     bandwidth_gb_s: float = Field(25.0, gt=0)
     """Trainer-to-rollout bandwidth in GB/s across nodes (one 200 Gb/s RDMA NIC per GPU)."""
