@@ -3,7 +3,13 @@ engines' weights equal to the trainer's bit for bit after a sync. The ranks of a
 threads of this process here (gloo does not mind); the ray test runs them as actors."""
 
 import asyncio
+import itertools
+import os
 import threading
+
+# Before anything imports vllm: in-process engine core settings and a small CPU KV cache.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import pytest
 
@@ -182,3 +188,108 @@ def test_torch_engines_in_bf16_take_a_trainers_fp32_weights_bit_for_bit_with_no_
         assert allocated == [max(bucket, largest)] and allocated[0] * 4 < transfer.bytes
     finally:
         transfer.close()
+
+
+def _greedy(engine, n_tokens=24):
+    import numpy as np
+
+    from core.model.sample import Group, Sample
+
+    uids = itertools.count()
+    prompt = np.asarray([2, 5, 9, 12, 7, 3], dtype=np.int64)
+    g = Group(prompt_id=0, samples=[Sample(uid=next(uids), prompt_id=0, index=0, n_prompt=6, prompt_tokens=prompt)],
+              version=0, admitted_at=0.0)
+    return g
+
+
+def test_vllm_takes_a_broadcast_bit_for_bit_with_no_file(tiny_model_dir, monkeypatch):
+    """vLLM repacks its linear weights on CPU, so what can be compared bit for bit is what the
+    worker received (per tensor, against the trainer's) and the parameters it keeps as they are
+    (embedding, norms); the rest shows in generation, identical to loading the same weights
+    from a file."""
+    from core.real.engine_vllm import VllmEngine
+    from core.real.grpo import TorchTrainBackend
+    from core.runtimes.broadcast_transfer import BroadcastTransfer
+
+    backend = TorchTrainBackend(tiny_model_dir, LearnSpec(), threads=1)
+    with torch.no_grad():
+        for p in backend.model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    name = f"bcast-vllm-{os.getpid()}"
+    engine = VllmEngine(name, tiny_model_dir, max_model_len=256, temperature=0.0, max_num_seqs=4)
+    engine.received_checksums = True
+    transfer = BroadcastTransfer(backend, "127.0.0.1", bucket_bytes=16 * 1024, dtype=engine.dtype, timeout_s=30)
+    monkeypatch.setattr(backend, "weights", lambda: pytest.fail("weights() copied the model"))
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    seen: set = set()
+    watching = threading.Event()
+
+    def watch():  # any file of this engine's in /dev/shm while it syncs
+        while not watching.is_set():
+            seen.update(f for f in os.listdir(shm) if name in f)
+
+    async def main():
+        await engine.start()
+        g = _greedy(engine)
+        assert await engine.generate(g, 24)
+        before = list(g.samples[0].response_tokens)
+        ticket = transfer.ticket(1).addressed([name], regroup=False)
+        receiving = asyncio.ensure_future(engine.update_weights(1, ticket))
+        await transfer.send(ticket, receiving)
+        await receiving
+        g = _greedy(engine)
+        assert await engine.generate(g, 24)
+        after_broadcast = (list(g.samples[0].response_tokens), list(g.samples[0].logprobs))
+        shapes = {n: list(t.shape) for n, t in backend.parameters().items()}
+        params = await engine._engine.collective_rpc("asyncrl_parameter_checksums", args=(shapes,))
+        # The same weights through the file path (object store's): the same generation.
+        monkeypatch.undo()
+        await engine.update_weights(2, backend.weights())
+        assert params[0] == (await engine._engine.collective_rpc("asyncrl_parameter_checksums", args=(shapes,)))[0]
+        g = _greedy(engine)
+        assert await engine.generate(g, 24)
+        after_file = (list(g.samples[0].response_tokens), list(g.samples[0].logprobs))
+        await engine.close(0.0)
+        return before, after_broadcast, after_file, params[0]
+
+    watcher = threading.Thread(target=watch) if shm else None
+    if watcher:
+        watcher.start()
+    try:
+        before, after_broadcast, after_file, params = asyncio.run(main())
+    finally:
+        watching.set()
+        if watcher:
+            watcher.join()
+        transfer.close()
+    trained = backend.parameters()
+    got = engine.last_received["checksums"]
+    assert engine.dtype == "float32" and got.keys() == trained.keys()
+    for n, t in trained.items():
+        assert got[n] == sha256_of(t.detach()), n
+    kept = [n for n in params if n in trained]
+    assert "model.embed_tokens.weight" in kept and any("norm" in n for n in kept)
+    for n in kept:
+        assert params[n] == sha256_of(trained[n].detach()), n
+    assert after_broadcast[0] != before  # the new weights decode
+    assert after_broadcast == after_file
+    # Only the file path wrote into /dev/shm (the watcher saw its directory, so it was looking).
+    assert not shm or all("-w2-" in f for f in seen) and seen
+
+
+def test_a_ray_run_with_broadcast_sync_loses_nothing(ray_session, tiny_model_dir):
+    from core.model.config import TinyModelSpec, with_changes
+    from core.runtimes.dispatch import run_mode
+    from harness.metrics import collect
+    from harness.scenario import load
+
+    sc = with_changes(load("scenarios/real-cpu-vllm.yaml"), {
+        "tiny_model.path": str(tiny_model_dir), "tiny_model.layers": TinyModelSpec().layers,
+        "tiny_model.intermediate": TinyModelSpec().intermediate, "trainer.steps": 3, "trainer.batch_size": 32,
+        "workload.max_response_len": 32, "eval.every": 0, "sync.transport": "broadcast", "sync.bucket_mb": 0.25,
+    })
+    system = run_mode(sc, "async")
+    m = collect(system)
+    assert m["samples/lost"] == 0 and system.in_flight == 0
+    assert m["samples/trained"] == 3 * 32
+    assert len(system.sync.transfer_s) == 2 and all(t > 0 for t in system.sync.transfer_s)  # no sync after the last step

@@ -3,7 +3,8 @@
 Each sample becomes one request whose prompt is the prompt plus the response so far, so a
 resumed sample re-prefills its partial response. Outputs stream as deltas and are kept per
 request until the request ends or is aborted, so an abort keeps exactly the tokens seen.
-Weights are loaded in place through ``reload_weights`` from a safetensors file in a fresh
+Weights come by collective broadcast into the worker (core/real/vllm_weight_receiver.py), or,
+from an object-store transfer, through ``reload_weights`` from a safetensors file in a fresh
 directory: tensors passed over the engine's RPC would be serialized into lists.
 
 Implements the ``Engine`` protocol of ``core/api.py``. vLLM is imported in ``start()``
@@ -48,10 +49,14 @@ import numpy as np
 from core.model.owned import discard_owned, make_owned
 from core.model.sample import Group, Sample
 from core.real.engine_meter import EngineMeter
+from core.real.hf_model import model_dtype
+from core.real.weight_broadcast import BroadcastTicket, RollCall
 from core.model.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
+# vLLM mixes this class into its Worker (engine arg ``worker_extension_cls``).
+WORKER_EXTENSION = "core.real.vllm_weight_receiver.BroadcastReceiverExtension"
 # Must be in the environment before vllm is imported; callers may override them.
 VLLM_ENV_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
@@ -97,9 +102,11 @@ class VllmEngine(EngineMeter):
         max_model_len: int = 512,
         kv_cache_gb: Optional[float] = None,
         gpu_memory_utilization: float = 0.5,
+        dtype: str = "auto",
     ) -> None:
         self.name = name
         self.model_dir = Path(model_dir)
+        self.dtype = model_dtype(self.model_dir, dtype)
         self.max_num_seqs = max_num_seqs
         # Public so tests can switch to greedy (0.0) between generations.
         self.temperature = temperature
@@ -125,6 +132,9 @@ class VllmEngine(EngineMeter):
         self._thaws: list[float] = []
         # One row per engine step, for calibration: (time, running, context held, prompt tokens, generated tokens).
         self.iterations: list[tuple[float, int, int, int, int]] = []
+        self._roll = RollCall(name)  # weights by broadcast: this engine's answers to the trainer
+        self.received_checksums = False  # tests: keep the sha256 of every tensor received
+        self.last_received: dict = {}
 
     # -- protocol ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -153,7 +163,9 @@ class VllmEngine(EngineMeter):
 
         kwargs: dict[str, Any] = dict(
             model=str(self.model_dir),
-            dtype="float32",
+            dtype=self.dtype,
+            # Joins the trainer's broadcast group and loads buckets in place (update_weights).
+            worker_extension_cls=WORKER_EXTENSION,
             max_model_len=self.max_model_len,
             enforce_eager=True,
             max_num_seqs=self.max_num_seqs,
@@ -236,7 +248,11 @@ class VllmEngine(EngineMeter):
         """Load ``weights`` as ``version``: on an idle engine, or under requests kept by ``freeze``."""
         if self._live and not self._frozen:
             raise RuntimeError(f"{self.name}: update_weights with requests in flight; pause the rollout first")
-        if weights is not None:
+        if isinstance(weights, BroadcastTicket):
+            await self._receive(weights)
+            if not self._frozen:
+                await self.clear_cache()
+        elif weights is not None:
             root = "/dev/shm" if os.path.isdir("/dev/shm") else None
             # The weights in a subdirectory of a stamped one: vLLM reads every file it is given.
             owned = make_owned(root, f"asyncrl-{self.name}-w{version}-", "weights")
@@ -253,6 +269,15 @@ class VllmEngine(EngineMeter):
         # Labels every step from here on; frozen, the next step is after thaw.
         await self._engine.engine_core.set_weight_version_async(str(version))
         self.version = version
+
+    async def _receive(self, ticket: BroadcastTicket) -> None:
+        """Take a broadcast in vLLM's worker: roll call here, join and receive there."""
+        self._roll.timeout_s = ticket.timeout_s
+        m, join = await asyncio.to_thread(self._roll.answer, ticket)
+        if join:
+            await self._engine.collective_rpc("asyncrl_join", args=(vars(m), ticket.timeout_s, self.name))
+        got = await self._engine.collective_rpc("asyncrl_receive", args=(ticket.bucket_bytes, self.received_checksums))
+        self.last_received = got[0]
 
     async def clear_cache(self) -> None:
         """Drop vLLM's prefix cache; retried while just-aborted requests still hold blocks."""

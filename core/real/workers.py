@@ -50,6 +50,7 @@ def make_engine(sc: Scenario, name: str, threads: int, timeline: Optional[Timeli
         threads=threads,
         timeline=timeline,
         device=device(),
+        dtype=sc.engine.dtype,
     )
     if sc.engine.kind == "torch":
         from core.real.engine_torch import TorchEngine  # imports torch: only a real run pays for it

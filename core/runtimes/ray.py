@@ -48,6 +48,8 @@ from core.real.reward import ServeReward, TaskPrompts, TaskReward, deploy_reward
 from core.real.hf_model import ensure_model_dir
 from core.real.workers import REAL_RUNTIME_ENV, make_backend, make_engine
 from core.runtimes.local import ProcessesFn
+from core.real.hf_model import model_dtype
+from core.runtimes.broadcast_transfer import BroadcastTransfer
 from core.runtimes.object_store_transfer import ObjectStoreTransfer
 from core.runtimes.run_checkpoint import checkpoint_dir, restore_trainer_side, save_trainer_side
 from core.runtimes.supervision import FaultInjector, strike, supervise_trainer
@@ -222,8 +224,11 @@ class EngineProxy:
 
     async def update_weights(self, version: int, weights: Any) -> None:
         # ``weights`` is [ObjectRef]: passed bare, Ray resolves it in the engine's process,
-        # from the object store, without a copy through this one.
-        await self._remote("update_weights", version, weights[0] if weights else None)
+        # from the object store, without a copy through this one. A broadcast ticket goes as
+        # it is: the engine joins the trainer's group and receives.
+        if isinstance(weights, list):
+            weights = weights[0] if weights else None
+        await self._remote("update_weights", version, weights)
 
     async def clear_cache(self) -> None:
         await self._remote("clear_cache")
@@ -440,7 +445,7 @@ class TrainerHost:
         self.backend = make_backend(sc, threads)
         if peers:
             self.backend = RankedBackend(self.backend, list(peers))
-        self.transfer = ObjectStoreTransfer(self.backend, _ray().put)
+        self.transfer = _transfer(sc, self.backend)
         self.timeline = Timeline()
         self.ledger = Ledger(trained_bound(sc, mode), reuse=sc.replay.enabled)
         self.trainer = None
@@ -516,6 +521,19 @@ class TrainerHost:
 
     def pid(self) -> int:
         return os.getpid()
+
+
+def _transfer(sc: Scenario, backend: Any) -> Any:
+    """The scenario's weight transport. A broadcast group is served from this process, on a
+    free port of this node: a restarted trainer serves a new one, and the engines join it."""
+    ray = _ray()
+    if sc.sync.transport == "object_store":
+        return ObjectStoreTransfer(backend, ray.put)
+    return BroadcastTransfer(
+        backend, ray.util.get_node_ip_address(), bucket_bytes=int(sc.sync.bucket_mb * 2**20),
+        dtype=model_dtype(sc.real_model_path, sc.engine.dtype), device=backend.device,
+        timeout_s=sc.timeouts.control_s, put=ray.put, publish_every=sc.eval.every,
+    )
 
 
 # -- the driver --------------------------------------------------------------------------------
