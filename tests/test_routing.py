@@ -225,3 +225,76 @@ def test_the_sim_moves_the_groups_of_a_worker_lost_during_a_sync():
     assert m["rollout/moved_resumes"] > 0 and m["rollout/sticky_resumes"] > 0
     assert m["rollout/sticky_resumes"] + m["rollout/moved_resumes"] == m["partial/resumes"]
     assert m["samples/lost"] == 0
+
+
+class Ticket:
+    """Collective weights, as a broadcast ticket is to the Rollouter: every receiver named first."""
+
+    collective = True
+
+    def __init__(self, members=(), regroup=False) -> None:
+        self.members, self.regroup = members, regroup
+
+    def addressed(self, members, regroup):
+        return Ticket(tuple(members), regroup)
+
+
+class Loads(Slow):
+    """Records what each update_weights was given."""
+
+    def __init__(self, name: str, restart_s: float = 0.0) -> None:
+        super().__init__(name, restart_s)
+        self.loads: list = []
+
+    async def update_weights(self, version, weights):
+        self.loads.append((version, weights))
+        self.version = version
+
+
+def _kill_between_syncs(catch_up):
+    """Two engines; e1 is killed after the sync to version 1 and back at once; then a sync to 2."""
+    engines = [Loads("e0"), Loads("e1", restart_s=0.5)]
+
+    async def main():
+        ro = rollouter(engines)
+        ro.catch_up = catch_up
+        run = asyncio.create_task(ro.run())
+        await ro.pause("abort")
+        await ro.update_weights(1, Ticket())
+        await ro.resume()
+        ro.worker_lost(1, WorkerLost("e1", "process", "killed"))
+        await asyncio.sleep(1.0)
+        back = 1 not in ro._down
+        await ro.pause("abort")
+        await ro.update_weights(2, Ticket())
+        await ro.resume()
+        await ro.stop()
+        await run
+        return back
+
+    return engines, virtual_clock.run(main())
+
+
+def test_an_engine_back_from_a_restart_loads_a_copy_and_the_next_broadcast_regroups():
+    asked = []
+
+    async def catch_up(version):
+        asked.append(version)
+        return ["copy"]
+
+    (e0, e1), back = _kill_between_syncs(catch_up)
+    assert back and asked == [1]  # routed to again before any sync: it loaded the copy alone
+    assert e1.loads[1] == (1, ["copy"])
+    # The sync after names both, and forms a new group: e1 is a new process.
+    last = e1.loads[-1][1]
+    assert e1.loads[-1][0] == 2 and last.members == ("e0", "e1") and last.regroup
+    assert e0.loads[-1][1].regroup and not e0.loads[0][1].regroup
+
+
+def test_an_engine_with_no_copy_to_load_rejoins_at_the_next_broadcast():
+    async def none(version):
+        return None
+
+    (e0, e1), back = _kill_between_syncs(none)
+    assert not back  # out of routing until the next sync
+    assert [v for v, _ in e1.loads] == [1, 2] and e1.loads[-1][1].members == ("e0", "e1") and e1.loads[-1][1].regroup

@@ -376,14 +376,14 @@ class SyncSpec(_Frozen):
     """Weight transfer from trainer to rollout engines. Read by: the sim runtime for the costs
     (a real run measures its transfers); the LLM ray runtime for ``transport`` and ``bucket_mb``."""
 
-    transport: Literal["broadcast", "object_store"] = "object_store"
+    transport: Literal["broadcast", "object_store"] = "broadcast"
     """LLM ray runtime: how weights reach the engines. `broadcast`: a collective broadcast from the
     trainer into every engine's parameters (gloo on CPU, NCCL on GPU), bucket by bucket, in the
-    engines' dtype (core/real/weight_broadcast.py). `object_store`: fp32 copies put in Ray's object
-    store once per version, which every engine resolves (the seeds' ray.put pattern; the fallback
-    for engines that cannot join a process group). The env ray runtime always uses the object store.
-    The default stays object_store until a restarted engine can catch up without a sync: under
-    broadcast it waits for the next sync to rejoin, and with every engine down no sync comes."""
+    engines' dtype (core/real/weight_broadcast.py); an engine back from a restart, which cannot
+    join a broadcast alone, loads one copy through the object store and rejoins the group at the
+    next sync. `object_store`: fp32 copies put in Ray's object store once per version, which every
+    engine resolves (the seeds' ray.put pattern). The env ray runtime always uses the object store.
+    The sim prices either (core/sim/costs.py TransferCost)."""
     bucket_mb: float = Field(64.0, gt=0, le=MAX_GB * 1024)
     """`broadcast`: the most MiB one bucket holds (a tensor larger goes alone): the extra memory a
     sync needs on each side. 64 is meant for NCCL on GPUs (not measured); on CPU with gloo 4-16 were

@@ -13,7 +13,7 @@ import heapq
 import logging
 import math
 from collections import deque
-from typing import Any, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 from core.api import PauseMode, PromptSource, RewardFn
 from core.model.faults import FaultLog, RestartsExhausted, WorkerLost, worker_key
@@ -85,6 +85,11 @@ class Rollouter:
         # Back from a restart, waiting for the next sync: collective weights (a broadcast) can
         # only be taken together with every other engine, never by one alone.
         self._rejoining: set[int] = set()
+        self._restarted = False  # a worker restarted since the last collective sync: a new group for all
+        # ``catch_up(version)``: a copy of the trainer's weights that one engine loads alone (the
+        # object-store fallback of a collective transfer), or None: it rejoins at the next sync.
+        # Without it a lone engine killed would wait for a sync that its batches must make happen.
+        self.catch_up: Optional[Callable[[int], Awaitable[Any]]] = None
         self._recovering: dict[int, asyncio.Task] = {}
         self._failure: Optional[BaseException] = None
         self._next_prompt = 0
@@ -270,6 +275,7 @@ class Rollouter:
             return
         self._down.add(i)
         self._lives[i] += 1  # the groups it held partial tokens of resume elsewhere
+        self._restarted = True
         log.warning("%s; restarting it", exc)
         task = asyncio.create_task(self._recover(i), name=f"recover-{self.engines[i].name}")
         self._recovering[i] = task
@@ -278,16 +284,19 @@ class Rollouter:
         e = self.engines[i]
         try:
             await e.recover()
-            if getattr(self._weights, "collective", False):
-                self._rejoining.add(i)
-                self._recovering.pop(i, None)
-                self._wake.set()
-                return
             while True:  # a sync may move the version while the worker loads
                 # A sync under way has set the new weights already: a worker back before it
                 # ends is not among the engines it loads, so it loads them itself.
                 v = max(self.version, self._weights_version)
-                await e.update_weights(v, self._weights)
+                weights = self._weights
+                if getattr(weights, "collective", False):
+                    weights = await self.catch_up(v) if self.catch_up is not None else None
+                    if weights is None:
+                        self._rejoining.add(i)
+                        self._recovering.pop(i, None)
+                        self._wake.set()
+                        return
+                await e.update_weights(v, weights)
                 if v == max(self.version, self._weights_version):
                     break
         except WorkerLost as exc:
@@ -371,8 +380,9 @@ class Rollouter:
         """A collective load: the live engines and those back from a restart, each told who
         else takes part (a restarted one makes the group form anew)."""
         joining, self._rejoining = self._rejoining, set()
+        regroup, self._restarted = self._restarted, False
         up = [i for i in range(len(self.engines)) if i not in self._down or i in joining]
-        weights = weights.addressed([self.engines[i].name for i in up], regroup=bool(joining))
+        weights = weights.addressed([self.engines[i].name for i in up], regroup=regroup)
         results = await asyncio.gather(*(self.engines[i].update_weights(version, weights) for i in up), return_exceptions=True)
         for i, r in zip(up, results):
             if isinstance(r, WorkerLost):

@@ -313,6 +313,21 @@ class RolloutHost:
             q.ack(done)
         return q.redeliver()
 
+    def weights_from(self, trainer: Any) -> None:
+        """An engine back from a restart cannot join a broadcast alone: it loads a copy of the
+        trainer's weights through the object store, or, with none to be had (the trainer being
+        restarted, or behind), rejoins at the next sync."""
+        control_s = self.sc.timeouts.control_s
+
+        async def catch_up(version: int) -> Optional[list]:
+            try:
+                return await _timed(trainer.catch_up.remote(version), control_s, "trainer", "catch_up")
+            except (*_died(), CallTimeout) as exc:
+                log.warning("no copy of the weights for a restarted engine (%s); it rejoins at the next sync", exc)
+                return None
+
+        self.rollouter.catch_up = catch_up
+
     async def inject(self, i: int) -> None:
         """Fault ``i`` of the scenario, on a rollout worker (the driver fires it)."""
         targets = _WorkerTargets(self)
@@ -498,6 +513,16 @@ class TrainerHost:
         t = self.trainer
         told, self.told[:] = list(self.told), []
         return t.step, t.version, self.resynced_at, told
+
+    async def catch_up(self, version: int) -> Optional[list]:
+        """A copy of the weights for an engine back from a restart (``RolloutHost.weights_from``),
+        in the object store; None while this trainer is behind ``version`` (restored from an
+        older checkpoint). Weights trained past ``version`` and not yet synced go as ``version``:
+        that engine's tokens then count as staler than they are, never as fresher."""
+        if self.trainer is None or self.trainer.version < version:
+            return None
+        weights = await asyncio.to_thread(self.backend.weights)
+        return [_ray().put(weights)]
 
     def latest_weights(self) -> tuple[int, list]:
         return self.transfer.latest
@@ -702,6 +727,7 @@ def _run_ray(sc: Scenario, mode: str, on_step, on_processes, run_dir: str) -> Ru
             off_trainer = _offset(trainer)
             ray.get(trainer.connect.remote(off_rollout - off_trainer), timeout=sc.timeouts.restart_s)
             trainer_pid = ray.get(trainer.pid.remote(), timeout=control_s)
+            ray.get(rollout.weights_from.remote(trainer), timeout=control_s)
             peer_pids = ray.get([p.pid.remote() for p in peers], timeout=control_s)
             if on_processes is not None:
                 pids = ray.get([rollout.pid.remote()], timeout=control_s)
