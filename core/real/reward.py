@@ -20,6 +20,7 @@ import numpy as np
 from core.model.config import Scenario, TaskSpec
 from core.model.sample import Group
 from core.model.faults import CallTimeout, WorkerLost
+from core.model.group_wire import read_tokens
 from core.model.model_dir import read_model_dir
 from core.model.prompt_file import read_prompts
 from core.model.reward_fn import load_reward_fn
@@ -92,6 +93,20 @@ class RewardService:
     def score(self, prompt_id: int, responses: list[list[int]]) -> list[float]:
         return [self.task.reward(prompt_id, r) for r in responses]
 
+    async def score_tokens(self, prompt_id: int, n: int, payload: list) -> list[float]:
+        """Score the ``n`` responses of a tokens record by reference (``payload``: [ObjectRef]),
+        read from the object store here: they never pass through the caller."""
+        off, tokens, _ = read_tokens(await payload[0], prompt_id, n)
+        return [self.task.reward(prompt_id, tokens[a:b]) for a, b in zip(off[:-1], off[1:])]
+
+
+class EngineReward:
+    """The rewards the engine actors gave the groups they finished, where the tokens are (the
+    ray runtime without ``reward.serve``): the Rollouter's ``score`` with nothing left to do."""
+
+    async def score(self, group: Group) -> list[float]:
+        return [s.reward for s in group.samples]
+
 
 class ServeReward:
     """The Rollouter's view of the deployment: the same ``score`` as ``TaskReward``."""
@@ -106,6 +121,8 @@ class ServeReward:
 
         try:
             async with asyncio.timeout(self.timeout_s):
+                if group.payload is not None:  # the tokens are in the object store: the replica reads them there
+                    return await self.handle.score_tokens.remote(group.prompt_id, group.size, [group.payload])
                 return await self.handle.score.remote(group.prompt_id, [np.asarray(s.response_tokens).tolist() for s in group.samples])
         except TimeoutError:
             raise CallTimeout("reward", "score", self.timeout_s, "timeouts.control_s") from None

@@ -10,7 +10,11 @@ awaitable methods it has in one process (the seeds' proxy-wrapper pattern).
 
 The wiring inside each actor is ``core.pipeline.wiring``'s (``connect_rollout`` / ``connect_trainer``),
 so the classes that run are the ones the sim and local runtimes run. Groups cross actors as
-codec bytes (their pickle is ``core.model.group_wire``'s codec record). A placement group pins one
+codec bytes (their pickle is ``core.model.group_wire``'s codec record), and only their
+metadata crosses the rollout actor: an engine actor puts a group's tokens in the object store
+(owned by the rollout actor), scores them unless Serve does (from the reference), and the
+trainer resolves the reference. An interrupted group's partial tokens stay in its engine,
+which takes them back when the group resumes there; another engine fetches them by reference. A placement group pins one
 bundle per rollout engine and one for the trainer; ``sync`` colocates the trainer with the
 engines on their bundles, as the sim's colocated baseline does.
 
@@ -37,6 +41,7 @@ from core.model.faults import CallTimeout, FaultLog, FaultPlan, WorkerLost, work
 from core.model.ledger import Ledger
 from core.model.progress import Progress
 from core.model.result import EngineCounters, RunResult, SyncCounters, TrainerCounters
+from core.model.group_wire import attach_tokens, encode_tokens
 from core.model.sample import Group
 from core.model.timeline import Timeline
 from core.pipeline.wiring import (
@@ -44,7 +49,7 @@ from core.pipeline.wiring import (
     release_unused, trained_bound,
 )
 from core.real.evaluation import Evaluations
-from core.real.reward import ServeReward, TaskPrompts, TaskReward, deploy_reward, make_task
+from core.real.reward import EngineReward, ServeReward, TaskPrompts, deploy_reward, make_task
 from core.real.hf_model import ensure_model_dir
 from core.real.workers import REAL_RUNTIME_ENV, make_backend, make_engine
 from core.runtimes.local import ProcessesFn
@@ -125,12 +130,22 @@ class EngineHost:
         self.engine = make_engine(sc, name, threads, self.timeline, seed)
         self._slow: Optional[tuple[float, float, float]] = None  # (factor, from, until)
         self._hang: Optional[str] = None
+        # Finished groups are scored here, where their tokens are, unless a Serve deployment scores them.
+        self._task = None if sc.reward.serve else make_task(sc)
+        # Interrupted groups by prompt id, their partial tokens kept for their resume here.
+        self._held: dict[int, Group] = {}
+        self.resumed_held = self.resumed_fetched = 0  # resumes from tokens kept here, or fetched by reference
 
     async def start(self) -> None:
         await self.engine.start()
 
-    async def generate(self, group: Group, max_response_len: int) -> tuple[bool, Group]:
+    async def generate(self, group: Group, max_response_len: int, payload: list) -> tuple[tuple[bool, Group], bytes]:
+        """Generate ``group`` (its metadata; ``payload``: [a reference to its partial tokens] or
+        []); returns ((completed, its metadata), its tokens record) as two results
+        (``num_returns=2``): the caller awaits the first and passes the second on by reference,
+        so the tokens are never decoded on the way; the trainer resolves it."""
         await self._enter("generate")
+        await self._take_tokens(group, payload)
         t0 = asyncio.get_running_loop().time()
         completed = await self.engine.generate(group, max_response_len)
         if completed and self._slow is not None:
@@ -139,7 +154,29 @@ class EngineHost:
             overlap = min(asyncio.get_running_loop().time(), hi) - max(t0, lo)
             if overlap > 0:
                 await asyncio.sleep((factor - 1.0) * overlap)
-        return completed, group
+        if completed:
+            self._held.pop(group.prompt_id, None)
+            if self._task is not None:
+                for s in group.samples:
+                    s.reward = self._task.reward(group.prompt_id, s.response_tokens)
+        else:
+            self._held[group.prompt_id] = group
+        return (completed, group.without_tokens()), encode_tokens(group)
+
+    async def _take_tokens(self, group: Group, payload: list) -> None:
+        """Give a resumed group its partial tokens: those kept here (no transfer), else fetched."""
+        if not any(s.n_response for s in group.samples):
+            return
+        held = self._held.pop(group.prompt_id, None)
+        if held is not None and all(h.n_response == s.n_response for h, s in zip(held.samples, group.samples)):
+            for h, s in zip(held.samples, group.samples):
+                s.response_tokens, s.logprobs = h.response_tokens, h.logprobs
+            self.resumed_held += 1
+            return
+        if not payload:
+            raise ValueError(f"prompt {group.prompt_id}: {sum(s.n_response for s in group.samples)} tokens generated, none held here or referenced")
+        attach_tokens(group, await payload[0])
+        self.resumed_fetched += 1
 
     async def abort_all(self) -> int:
         await self._enter("abort_all")
@@ -183,6 +220,8 @@ class EngineHost:
             "prefill_tokens": e.prefill_tokens,
             "spans": dict(self.timeline.spans),
             "step_spans": e.step_spans(),
+            "resumed_held": self.resumed_held,
+            "resumed_fetched": self.resumed_fetched,
         }
 
     def now(self) -> float:
@@ -203,20 +242,39 @@ class EngineProxy:
         self.dead = False  # a call saw the actor die (Ray restarts it)
         self.busy_s = self.seq_s = 0.0
         self.tokens_generated = self.prefill_tokens = 0
+        self.resumed_held = self.resumed_fetched = 0
         self.spans: dict = {}
 
     async def _remote(self, call: str, *args: Any) -> Any:
         """A call to the actor; its death (or a restart in progress) is ``WorkerLost``."""
+        return await self._answer(getattr(self.handle, call).remote(*args), call)
+
+    async def _answer(self, ref: Any, call: str) -> Any:
         try:
-            return await getattr(self.handle, call).remote(*args)
+            return await ref
         except _died() as exc:
             self.dead = True
             raise WorkerLost(self.name, call, f"the actor died ({type(exc).__name__})") from None
 
     async def generate(self, group: Group, max_response_len: int) -> bool:
-        completed, done = await self._remote("generate", group, max_response_len)
+        """The group's metadata goes, and comes back with its tokens record as a second result
+        that this process never resolves: it holds the reference (and owns it, so the tokens
+        outlive the engine's process) for the trainer, or another engine, to resolve. A resumed
+        group's reference goes in a list, so Ray hands it over unresolved."""
+        payload = [group.payload] if group.payload is not None else []
+        group.payload = None  # not pickled along with the metadata a second time
+        try:
+            head, tokens = self.handle.generate.options(num_returns=2).remote(group, max_response_len, payload)
+            completed, done = await self._answer(head, "generate")
+        except BaseException:
+            group.payload = payload[0] if payload else None  # what it had: its tokens are still there
+            raise
         done.shift_times(-self.offset)
         group.take_generation(done)
+        group.payload = tokens
+        if completed:
+            for mine, theirs in zip(group.samples, done.samples):
+                mine.reward = theirs.reward  # scored in the engine's process (EngineReward)
         return completed
 
     async def abort_all(self) -> int:
@@ -275,11 +333,16 @@ class RolloutHost:
         self._get: Optional[asyncio.Task] = None
 
     def connect(self, engines: list[tuple[str, Any, float, int]], reward_handle: Any) -> None:
-        """Wire the producer side to the engine actors (name, handle, clock offset to ours, pid)."""
+        """Wire the producer side to the engine actors (name, handle, clock offset to ours, pid).
+
+        Tokens go from the engine actors to the trainer by reference, owned by this actor
+        (they outlive an engine's death, and go when this actor drops the group): this actor
+        handles counts, versions, times and rewards only. Rewards are scored where the tokens
+        are: in the engine actor, or by the Serve deployment from the reference."""
         sc, mode = self.sc, self.mode
         task = make_task(sc)
         proxies = [EngineProxy(name, h, off, pid) for name, h, off, pid in engines]
-        reward = ServeReward(reward_handle, sc.timeouts.control_s) if reward_handle is not None else TaskReward(task)
+        reward = ServeReward(reward_handle, sc.timeouts.control_s) if reward_handle is not None else EngineReward()
         workers = Workers(proxies, backend=None, transfer=None, prompts=TaskPrompts(task), reward=reward)
         self.ledger = Ledger(trained_bound(sc, mode), reuse=sc.replay.enabled)
         self.queue = make_queue(sc, mode, self.run_dir)
@@ -423,8 +486,13 @@ class QueueProxy:
         self.offset = offset  # rollout actor clock minus the trainer's
 
     async def get_batch(self, n: int) -> Batch:
+        """The groups' metadata from the rollout actor, their tokens from where the engines put
+        them (by reference, mapped without a copy)."""
         groups = await self.handle.get_batch.remote(n)
-        for g in groups:
+        tokens = await asyncio.gather(*(g.payload for g in groups))
+        for g, buf in zip(groups, tokens):
+            attach_tokens(g, buf)
+            g.payload = None  # the tokens are here now
             g.shift_times(-self.offset)
         return Batch(groups)
 
