@@ -298,3 +298,19 @@ def test_an_engine_with_no_copy_to_load_rejoins_at_the_next_broadcast():
     (e0, e1), back = _kill_between_syncs(none)
     assert not back  # out of routing until the next sync
     assert [v for v, _ in e1.loads] == [1, 2] and e1.loads[-1][1].members == ("e0", "e1") and e1.loads[-1][1].regroup
+
+
+class Broken(Slow):
+    async def generate(self, group, max_response_len):
+        raise ValueError("not a lost worker: a bug")
+
+
+def test_an_error_a_generation_did_not_expect_fails_the_run_instead_of_stalling_it():
+    async def main():
+        ro = rollouter([Broken("e0")])
+        try:
+            await asyncio.wait_for(ro.run(), 60.0)
+        except ValueError as exc:
+            return str(exc)
+
+    assert virtual_clock.run(main()) == "not a lost worker: a bug"

@@ -186,7 +186,15 @@ class Rollouter:
             self._holding += group.size
             task = asyncio.create_task(self._generate(group, i, k))
             self._active.add(task)
-            task.add_done_callback(self._active.discard)
+            task.add_done_callback(self._generation_ended)
+
+    def _generation_ended(self, task: asyncio.Task) -> None:
+        """An error a generation did not expect fails the run: left in its task, nobody would
+        see it, and the budget its group held would stall the rollout for good."""
+        self._active.discard(task)
+        if not task.cancelled() and task.exception() is not None and self._failure is None:
+            self._failure = task.exception()
+            self._wake.set()
 
     def _assign(self, i: int, k: int) -> None:
         n = self._assigned[i] = self._assigned[i] + k
