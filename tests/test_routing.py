@@ -5,13 +5,11 @@ import asyncio
 
 from core.model.config import Scenario, with_changes
 from core.model.faults import WorkerLost
-from core.model.ledger import Ledger
 from core.pipeline.rollouter import Rollouter
-from core.pipeline.staleness_queue import AsyncStalenessQueue
-from core.pipeline.supervised_engine import SupervisedEngine
 from core.runtimes.dispatch import run_mode
 from core.sim import virtual_clock
 from harness.metrics import collect
+from tests.test_faults import rollouter as fault_test_rollouter
 
 
 class Slow:
@@ -59,21 +57,8 @@ class Slow:
 
 
 def rollouter(engines, **kw) -> Rollouter:
-    args = dict(
-        engines=[SupervisedEngine(e, 100.0, 30.0, 60.0, max_restarts=3) for e in engines],
-        queue=AsyncStalenessQueue(capacity=8, max_staleness=1),
-        ledger=Ledger(1),
-        group_size=2,
-        prompt_tokens=4,
-        max_response_len=64,
-        max_concurrency=6,
-        window=6,
-        lead=0.0,
-        max_staleness=1,
-        plan_samples=6,
-        stop_timeout_s=30.0,
-    )
-    return Rollouter(**{**args, **kw})
+    """test_faults' Rollouter, wide enough for a group on each of three engines."""
+    return fault_test_rollouter(engines, **{"max_concurrency": 6, "window": 6, "plan_samples": 6, **kw})
 
 
 def _interrupt_and_resume(engines, between=None):
