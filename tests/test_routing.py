@@ -4,7 +4,8 @@ and aborts to every engine at once."""
 import asyncio
 
 from core.model.config import Scenario, with_changes
-from core.model.faults import WorkerLost
+from core.model.faults import CollectiveBroken, WorkerLost
+from core.pipeline.param_sync import ParamSync
 from core.pipeline.rollouter import Rollouter
 from core.runtimes.dispatch import run_mode
 from core.sim import virtual_clock
@@ -299,3 +300,39 @@ def test_an_error_a_generation_did_not_expect_fails_the_run_instead_of_stalling_
             return str(exc)
 
     assert virtual_clock.run(main()) == "not a lost worker: a bug"
+
+
+class BreaksOnce:
+    """A collective transfer whose first send breaks (a member died mid-way)."""
+
+    collective = True
+
+    def __init__(self) -> None:
+        self.sends = 0
+
+    def ticket(self, version):
+        return Ticket()
+
+    async def send(self, ticket, receiving):
+        self.sends += 1
+        await asyncio.sleep(0.1)
+        if self.sends == 1:
+            raise CollectiveBroken("trainer", "Connection closed by peer")
+
+
+def test_a_broken_broadcast_is_sent_again():
+    engines = [Loads("e0"), Loads("e1")]
+    transfer = BreaksOnce()
+
+    async def main():
+        ro = rollouter(engines)
+        run = asyncio.create_task(ro.run())
+        sync = ParamSync(rollouter=ro, transfer=transfer, mode="abort")
+        await sync.sync(1)
+        await ro.stop()
+        await run
+        return sync
+
+    sync = virtual_clock.run(main())
+    assert transfer.sends == 2 and len(sync.transfer_s) == 1
+    assert [len(e.loads) for e in engines] == [2, 2]  # the source dropped its group: the second try forms one

@@ -209,6 +209,7 @@ def test_vllm_takes_a_broadcast_bit_for_bit_with_no_file(tiny_model_dir, monkeyp
     from a file."""
     from core.real.engine_vllm import VllmEngine
     from core.real.grpo import TorchTrainBackend
+    from core.real.hf_model import model_dtype
     from core.runtimes.broadcast_transfer import BroadcastTransfer
 
     backend = TorchTrainBackend(tiny_model_dir, LearnSpec(), threads=1)
@@ -218,7 +219,8 @@ def test_vllm_takes_a_broadcast_bit_for_bit_with_no_file(tiny_model_dir, monkeyp
     name = f"bcast-vllm-{os.getpid()}"
     engine = VllmEngine(name, tiny_model_dir, max_model_len=256, temperature=0.0, max_num_seqs=4)
     engine.received_checksums = True
-    transfer = BroadcastTransfer(backend, "127.0.0.1", bucket_bytes=16 * 1024, dtype=engine.dtype, timeout_s=30)
+    # The trainer's side resolves the engines' dtype as the ray runtime does (the engine, at start).
+    transfer = BroadcastTransfer(backend, "127.0.0.1", bucket_bytes=16 * 1024, dtype=model_dtype(tiny_model_dir), timeout_s=30)
     monkeypatch.setattr(backend, "weights", lambda: pytest.fail("weights() copied the model"))
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     seen: set = set()

@@ -34,6 +34,14 @@ class CallTimeout(WorkerLost):
         )
 
 
+class CollectiveBroken(RuntimeError):
+    """A collective transfer (a weight broadcast) failed part-way: a member died or stopped
+    answering, so every member's copy may be partial. The sync is sent again to those still up."""
+
+    def __init__(self, who: str, reason: str) -> None:
+        super().__init__(f"{who}: weight broadcast broken ({reason})")
+
+
 class RestartsExhausted(RuntimeError):
     """A component died more often than ``recovery.max_restarts`` allows."""
 

@@ -12,11 +12,18 @@ transfer the two run at once; for an object store, the put then the engines' loa
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Awaitable, Callable, Optional
 
 from core.api import PauseMode, RolloutControl, WeightTransfer
+from core.model.faults import CollectiveBroken
 from core.model.progress import WeightsSynced
 from core.model.timeline import SYNC, Timeline
+
+log = logging.getLogger(__name__)
+
+# Tries of one collective sync: each broken one has lost a member, and the next forms a new group without it.
+COLLECTIVE_TRIES = 3
 
 
 class ParamSync:
@@ -81,13 +88,22 @@ class ParamSync:
 
     async def _together(self, version: int) -> None:
         """A collective transfer: the trainer sends while the engines receive, so the two run
-        at once; it ends when every engine has loaded (or the rollout side took no part)."""
-        ticket = self.transfer.ticket(version)
-        receiving = asyncio.ensure_future(self.rollouter.update_weights(version, ticket))
-        try:
-            await self.transfer.send(ticket, receiving)
-        except BaseException:
-            receiving.cancel()
-            await asyncio.gather(receiving, return_exceptions=True)
-            raise
-        await receiving
+        at once; it ends when every engine has loaded (or the rollout side took no part). A
+        member that dies or hangs mid-way breaks it for all (``CollectiveBroken``): the rollout
+        side marks it lost, and the sync goes again, in a new group, to those still up."""
+        for attempt in range(1, COLLECTIVE_TRIES + 1):
+            ticket = self.transfer.ticket(version)
+            receiving = asyncio.ensure_future(self.rollouter.update_weights(version, ticket))
+            try:
+                await self.transfer.send(ticket, receiving)
+                await receiving
+                return
+            except CollectiveBroken as exc:
+                await asyncio.gather(receiving, return_exceptions=True)  # every member's answer is in
+                if attempt == COLLECTIVE_TRIES:
+                    raise
+                log.warning("%s; sync to version %d sent again (try %d of %d)", exc, version, attempt + 1, COLLECTIVE_TRIES)
+            except BaseException:
+                receiving.cancel()
+                await asyncio.gather(receiving, return_exceptions=True)
+                raise

@@ -16,7 +16,7 @@ from collections import deque
 from typing import Any, Awaitable, Callable, Optional
 
 from core.api import PauseMode, PromptSource, RewardFn
-from core.model.faults import FaultLog, RestartsExhausted, WorkerLost, worker_key
+from core.model.faults import CollectiveBroken, FaultLog, RestartsExhausted, WorkerLost, worker_key
 from core.model.ledger import Ledger
 from core.model.sample import Group, Sample
 from core.pipeline.staleness_queue import AsyncStalenessQueue
@@ -392,14 +392,22 @@ class Rollouter:
         up = [i for i in range(len(self.engines)) if i not in self._down or i in joining]
         weights = weights.addressed([self.engines[i].name for i in up], regroup=regroup)
         results = await asyncio.gather(*(self.engines[i].update_weights(version, weights) for i in up), return_exceptions=True)
+        broken: Optional[CollectiveBroken] = None
         for i, r in zip(up, results):
             if isinstance(r, WorkerLost):
                 self._down.discard(i)  # a rejoining one was still marked down: lost anew
                 self.worker_lost(i, r)
+            elif isinstance(r, CollectiveBroken):
+                broken = broken or r
+                if i in joining:
+                    self._rejoining.add(i)  # still without the weights: in the next try
             elif isinstance(r, BaseException):
                 raise r
             elif i in joining:
                 self._back(i)
+        if broken is not None:
+            self._restarted = True  # the next try forms a new group
+            raise broken
 
     async def resume(self) -> None:
         self._paused = False

@@ -38,7 +38,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from core.model.sample import LOGPROB_DTYPE, TOKEN_DTYPE, Group, Sample
 from core.real.engine_meter import EngineMeter
 from core.real.hf_model import load_model, model_dtype
-from core.real.weight_broadcast import BroadcastTicket, GroupMember, RollCall, manifest_of
+from core.real.weight_broadcast import BroadcastTicket, GroupMember, RollCall, broken_as_collective, manifest_of
 from core.model.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -268,7 +268,8 @@ class TorchEngine(EngineMeter):
 
     def _load_weights(self, weights) -> None:
         if isinstance(weights, BroadcastTicket):
-            self._receive(weights)
+            with broken_as_collective(self.name):
+                self._receive(weights)
             return
         state = {k: torch.from_numpy(np.asarray(v)) for k, v in weights.items()}
         with torch.no_grad():

@@ -50,7 +50,7 @@ from core.model.owned import discard_owned, make_owned
 from core.model.sample import Group, Sample
 from core.real.engine_meter import EngineMeter
 from core.real.hf_model import model_dtype
-from core.real.weight_broadcast import BroadcastTicket, RollCall
+from core.real.weight_broadcast import BroadcastTicket, RollCall, broken_as_collective
 from core.model.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class VllmEngine(EngineMeter):
     ) -> None:
         self.name = name
         self.model_dir = Path(model_dir)
-        self.dtype = model_dtype(self.model_dir, dtype)
+        self.dtype = dtype  # resolved against the model's own at start(): building touches no file
         self.max_num_seqs = max_num_seqs
         # Public so tests can switch to greedy (0.0) between generations.
         self.temperature = temperature
@@ -138,6 +138,8 @@ class VllmEngine(EngineMeter):
 
     # -- protocol ---------------------------------------------------------------------------
     async def start(self) -> None:
+        # vLLM's own "auto" would run a float32 checkpoint in float16: the model's dtype, resolved here.
+        self.dtype = model_dtype(self.model_dir, self.dtype)
         for k, v in VLLM_ENV_DEFAULTS.items():
             os.environ.setdefault(k, v)
         if self.device == "cpu" and self.kv_cache_gb is not None:
@@ -249,7 +251,8 @@ class VllmEngine(EngineMeter):
         if self._live and not self._frozen:
             raise RuntimeError(f"{self.name}: update_weights with requests in flight; pause the rollout first")
         if isinstance(weights, BroadcastTicket):
-            await self._receive(weights)
+            with broken_as_collective(self.name):
+                await self._receive(weights)
             if not self._frozen:
                 await self.clear_cache()
         elif weights is not None:
@@ -275,7 +278,7 @@ class VllmEngine(EngineMeter):
         self._roll.timeout_s = ticket.timeout_s
         m, join = await asyncio.to_thread(self._roll.answer, ticket)
         if join:
-            await self._engine.collective_rpc("asyncrl_join", args=(vars(m), ticket.timeout_s, self.name))
+            await self._engine.collective_rpc("asyncrl_join", args=(vars(m), ticket.timeout_s, self.name, str(self.model_dir)))
         got = await self._engine.collective_rpc("asyncrl_receive", args=(ticket.bucket_bytes, self.received_checksums))
         self.last_received = got[0]
 

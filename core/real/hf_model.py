@@ -9,6 +9,7 @@ is given the path).
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -54,8 +55,6 @@ def load_tokenizer(path: str | Path):
 def model_dtype(path: str | Path, dtype: str = "auto") -> str:
     """The engines' parameter dtype: ``dtype`` unless ``auto``, else the directory's own
     (config.json's ``torch_dtype``, or ``dtype`` in newer transformers; float32 if it says none)."""
-    import json
-
     if dtype != "auto":
         return dtype
     cfg = json.loads((Path(path) / "config.json").read_text())

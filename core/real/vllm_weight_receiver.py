@@ -50,10 +50,13 @@ class BroadcastReceiverExtension:
 
     _asyncrl_member: Any = None
 
-    def asyncrl_join(self, m: dict, timeout_s: float, who: str) -> None:
+    def asyncrl_join(self, m: dict, timeout_s: float, who: str, model_dir: str) -> None:
+        """Join the group ``m`` after checking the trainer's manifest against the checkpoint in
+        ``model_dir``: not vLLM's ``model_config.model``, which a reload from a file (a restarted
+        engine's catch-up through the object store) points at that file's directory."""
         cfg = self.vllm_config.model_config
         dtype = dtype_name(cfg.dtype)
-        expected = checkpoint_manifest(cfg.model, dtype)
+        expected = checkpoint_manifest(model_dir, dtype)
         if getattr(cfg.hf_config, "tie_word_embeddings", False):
             expected = [s for s in expected if s.name != HEAD]
         if self._asyncrl_member is not None:

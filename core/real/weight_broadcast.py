@@ -30,12 +30,15 @@ weight (the driver).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+from core.model.faults import CollectiveBroken
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,19 @@ POLL_S = 0.002  # how often the source looks for the roll call while the receive
 
 class ManifestMismatch(ValueError):
     """The source's tensors and a receiver's differ (name, shape or dtype)."""
+
+
+@contextlib.contextmanager
+def broken_as_collective(who: str) -> Iterator[None]:
+    """What gloo, NCCL or the store raise when a member died or hung mid-sync, as
+    ``CollectiveBroken``: the caller sends the sync again to those still up. A manifest
+    mismatch is not one: it would fail again."""
+    try:
+        yield
+    except ManifestMismatch:
+        raise
+    except (RuntimeError, TimeoutError) as exc:
+        raise CollectiveBroken(who, f"{type(exc).__name__}: {exc}") from exc
 
 
 def _torch():
@@ -275,24 +291,35 @@ class BroadcastSource:
         return BroadcastTicket(self.host, self.port, self.seq, version, self.bucket_bytes, self.timeout_s)
 
     def send(self, ticket: BroadcastTicket, tensors: Callable[[], dict[str, Any]], manifest: list[TensorSpec],
-             skipped: threading.Event) -> SendStats:
+             answered: threading.Event) -> SendStats:
         """Broadcast ``tensors()`` (read once the group is up) as ``manifest`` to the members
-        of ``ticket``'s roll call. ``skipped`` set before any roll call: nobody takes part
-        (the rollout side skipped the sync), nothing is sent."""
+        of ``ticket``'s roll call. ``answered``: every engine's call is over (loaded, failed or
+        lost). Set before any roll call, nobody takes part (the rollout side skipped the sync)
+        and nothing is sent; set while members are awaited, one of them is not coming."""
         t0 = time.perf_counter()
         self.stats = st = SendStats()
         key = f"sync{ticket.seq}/members"
         deadline = time.monotonic() + self.timeout_s
         while not self.store.check([key]):
-            if skipped.is_set() and not self.store.check([key]):
+            if answered.is_set() and not self.store.check([key]):
                 return st
             if time.monotonic() > deadline:
                 raise TimeoutError(f"weight broadcast: no engine answered the roll call of sync {ticket.seq} in {self.timeout_s:g} s")
             time.sleep(POLL_S)
         call = json.loads(self.store.get(key))
         members = tuple(call["members"])
-        if self.group is None or call["regroup"] or members != self.members:
-            self._regroup(ticket, members, manifest)
+        try:
+            with broken_as_collective("trainer"):
+                self._send(ticket, members, call["regroup"], tensors, manifest, st, t0, answered)
+        except CollectiveBroken:
+            self.close()  # the next sync forms a new group of those still up
+            raise
+        return st
+
+    def _send(self, ticket: BroadcastTicket, members: tuple[str, ...], regroup: bool, tensors: Callable[[], dict[str, Any]],
+              manifest: list[TensorSpec], st: SendStats, t0: float, answered: threading.Event) -> None:
+        if self.group is None or regroup or members != self.members:
+            self._regroup(ticket, members, manifest, answered)
             st.regrouped = True
         else:
             self.store.set(f"sync{ticket.seq}/group", json.dumps({"prefix": self.prefix, "world": len(members) + 1}))
@@ -313,9 +340,9 @@ class BroadcastSource:
             st.buckets += 1
         del buf
         st.broadcast_s = time.perf_counter() - t1
-        return st
 
-    def _regroup(self, ticket: BroadcastTicket, members: tuple[str, ...], manifest: list[TensorSpec]) -> None:
+    def _regroup(self, ticket: BroadcastTicket, members: tuple[str, ...], manifest: list[TensorSpec],
+                 answered: threading.Event) -> None:
         if self.group is not None:
             self.group.close()
             self.group = None
@@ -326,7 +353,14 @@ class BroadcastSource:
         # Every receiver checks the manifest before anyone joins: a mismatch fails the sync
         # at once, with its message, instead of leaving the others waiting in a rendezvous.
         keys = [f"{prefix}check/{r}" for r in range(1, world)]
-        self.store.wait(keys)
+        deadline = time.monotonic() + self.timeout_s
+        while not self.store.check(keys):
+            # A member lost after the roll call never checks in: every call is over without it.
+            if answered.is_set() and not self.store.check(keys):
+                raise CollectiveBroken("trainer", f"a member of {', '.join(members)} left before joining")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"weight broadcast: members {', '.join(members)} did not check in within {self.timeout_s:g} s")
+            time.sleep(POLL_S)
         errors = [self.store.get(k).decode() for k in keys]
         errors = [e for e in errors if e != "ok"]
         if errors:

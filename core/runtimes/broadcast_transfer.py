@@ -41,9 +41,9 @@ class BroadcastTransfer:
     async def send(self, ticket: BroadcastTicket, receiving: "asyncio.Future") -> None:
         """Broadcast while ``receiving`` (the engines' loads) runs; returns once every bucket is
         out, or at once when the rollout side ends ``receiving`` without a roll call."""
-        skipped = threading.Event()
-        receiving.add_done_callback(lambda _: skipped.set())
-        st = await asyncio.to_thread(self._send, ticket, skipped)
+        answered = threading.Event()
+        receiving.add_done_callback(lambda _: answered.set())
+        st = await asyncio.to_thread(self._send, ticket, answered)
         self.stats.append(st)
         if st.bytes:
             self.bytes = st.bytes
@@ -51,9 +51,9 @@ class BroadcastTransfer:
             weights = await asyncio.to_thread(self.backend.weights)
             self.latest = (ticket.version, [self.put(weights)])
 
-    def _send(self, ticket: BroadcastTicket, skipped: threading.Event) -> SendStats:
+    def _send(self, ticket: BroadcastTicket, answered: threading.Event) -> SendStats:
         with self.backend.lock:
-            return self.source.send(ticket, self.backend.parameters, self.manifest, skipped)
+            return self.source.send(ticket, self.backend.parameters, self.manifest, answered)
 
     def close(self) -> None:
         self.source.close()
