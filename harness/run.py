@@ -32,6 +32,7 @@ from core.runtimes.dispatch import run_mode
 from core.api import RunStopped
 from core.model.faults import RestartsExhausted
 from core.runtimes.ray import cluster
+from core.runtimes.ray_checkpoint import load_ray_run
 from core.runtimes.run_checkpoint import load_run, scenario_digest
 from core.store.checkpoint import CheckpointError
 from core.model.config import ConfigError, with_changes
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             check_loggers(v.scenario.report.loggers)
         first = variants[0].scenario
         env_kind = isinstance(first, EnvScenario)
-        # Written where it stays, to be resumed: a run with checkpoints (a ray LLM run's are its trainer's).
+        # Written where it stays, to be resumed: a run with checkpoints.
         resumable = args.resume is not None or (bool(first.checkpoint.every) if env_kind else _resumable_run(first, args))
         if args.resume is None:
             out = run_directory.check(out, "run", "summary.json", in_place=resumable, resume_file=SCENARIO_FILE)
@@ -212,9 +213,9 @@ def _env_harness():
 
 
 def _resumable_run(sc, args) -> bool:
-    """Written in place, for --resume: a sim or local run with checkpoints. A ray run's
-    checkpoints are its trainer's, for restarts during the run."""
-    return (bool(sc.checkpoint.every) and sc.runtime != "ray") or args.stop_at_step is not None
+    """Written in place, for --resume: a run with checkpoints (on ray, whole ones: both the
+    trainer's and the rollout side, core/runtimes/ray_checkpoint.py)."""
+    return bool(sc.checkpoint.every) or args.stop_at_step is not None
 
 
 def _check_new_run(variants: list[Variant], args) -> None:
@@ -222,11 +223,6 @@ def _check_new_run(variants: list[Variant], args) -> None:
     if _resumable_run(sc, args):
         if len(variants) > 1 or variants[0].label is not None:
             raise ScenarioError(f"{args.scenario}: a file of variants is not checkpointed; fix: run one variant's settings as its own scenario")
-        if sc.runtime == "ray":
-            raise ScenarioError(
-                f"--stop-at-step {args.stop_at_step}: a ray run checkpoints its trainer, which restarts from it while "
-                "the run goes on, but is not resumed as a whole; fix: use runtime sim or local for --stop-at-step and --resume"
-            )
         if not sc.checkpoint.every:
             raise ScenarioError(f"--stop-at-step {args.stop_at_step}: the run keeps no checkpoints to resume from; fix: --set checkpoint.every=1")
         several = next((v.scenario for v in variants if len(v.scenario.run_seeds) > 1), None)
@@ -276,7 +272,8 @@ def _resumable(args) -> tuple[list[Variant], Path, dict]:
         if rep.is_file():
             done[mode] = report.read_json(rep)
         else:
-            load_run(run_dir, sc, mode)  # every checkpoint is read and checked before anything runs
+            # every checkpoint is read and checked before anything runs
+            (load_ray_run if sc.runtime == "ray" else load_run)(run_dir, sc, mode)
     return [Variant(None, sc)], run_dir, done
 
 

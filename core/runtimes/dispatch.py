@@ -24,10 +24,10 @@ def run_mode(
 ) -> RunResult:
     """Run one mode on the scenario's runtime. ``on_processes([(name, pid)])`` is told the
     processes that do the work once they exist (for a profiler). ``run_dir`` keeps the
-    checkpoints (a temporary directory when None); ``resume`` starts from the latest one
-    (sim and local; a ray run restarts its trainer from them while it goes on)."""
+    checkpoints (a temporary directory when None); ``resume`` starts from the latest one (on
+    ray, the latest whole one: both sides); ``stop_at_step`` stops after that trainer step."""
     if sc.runtime == "local":
         return run_local(sc, mode, on_step, on_processes, run_dir=run_dir, resume=resume, stop_at_step=stop_at_step)
     if sc.runtime == "ray":
-        return run_ray(sc, mode, on_step, on_processes, run_dir=run_dir)
+        return run_ray(sc, mode, on_step, on_processes, run_dir=run_dir, resume=resume, stop_at_step=stop_at_step)
     return run_sim(sc, mode, on_step, run_dir=run_dir, resume=resume, stop_at_step=stop_at_step)

@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from core.api import Batch, PauseMode
+from core.api import Batch, PauseMode, RunStopped
 from core.model.config import Placement, Scenario
 from core.model.faults import CallTimeout, FaultLog, FaultPlan, WorkerLost, worker_key
 from core.model.ledger import Ledger
@@ -56,11 +56,14 @@ from core.runtimes.local import ProcessesFn
 from core.real.hf_model import model_dtype
 from core.runtimes.broadcast_transfer import BroadcastTransfer
 from core.runtimes.object_store_transfer import ObjectStoreTransfer
-from core.runtimes.run_checkpoint import checkpoint_dir, restore_trainer_side, save_trainer_side
+from core.runtimes.ray_checkpoint import (
+    RayResume, discard_after, latest_whole, load_ray_run, load_rollout_side, save_rollout_side, shifted_records, shifted_spans,
+)
+from core.runtimes.run_checkpoint import FORMAT, checkpoint_dir, due, restore_trainer_side, save_trainer_side, scenario_digest
 from core.runtimes.supervision import FaultInjector, strike, supervise_trainer
 from core.runtimes.trainer_ranks import RankedBackend, TrainerRankHost
 from core.sim.workload import Workload
-from core.store.checkpoint import latest
+from core.store.checkpoint import Snapshot, latest, load, load_tensors
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +213,18 @@ class EngineHost:
     async def clear_cache(self) -> None:
         await self.engine.clear_cache()
 
+    def counters(self) -> dict:
+        """What a whole checkpoint keeps of this engine (taken while rollout is paused)."""
+        return {"meter": self.engine.state(), "resumed_held": self.resumed_held, "resumed_fetched": self.resumed_fetched,
+                "spans": dict(self.timeline.spans)}
+
+    def restore_counters(self, st: dict) -> None:
+        """A resumed run's engine goes on counting from its checkpoint (spans on this clock)."""
+        self.engine.restore(st["meter"])
+        self.resumed_held, self.resumed_fetched = st["resumed_held"], st["resumed_fetched"]
+        for w, rows in st["spans"].items():
+            self.timeline.spans[w][:0] = rows
+
     async def close(self) -> dict:
         e = self.engine
         await e.close(asyncio.get_running_loop().time())
@@ -331,6 +346,10 @@ class RolloutHost:
     def __init__(self, sc: Scenario, mode: str, run_dir: str) -> None:
         self.sc, self.mode, self.run_dir = sc, mode, run_dir
         self._get: Optional[asyncio.Task] = None
+        self.zero = 0.0  # this clock at run time 0 (checkpoints hold run times)
+        # The driver's faults (it kills the trainer): which fired, and its records, for the checkpoint.
+        self.driver_fired: list[int] = []
+        self.driver_records: list[dict] = []
 
     def connect(self, engines: list[tuple[str, Any, float, int]], reward_handle: Any) -> None:
         """Wire the producer side to the engine actors (name, handle, clock offset to ours, pid).
@@ -361,6 +380,91 @@ class RolloutHost:
 
     async def ack(self) -> None:
         self.queue.ack()
+
+    def set_zero(self, zero: float) -> None:
+        self.zero = zero
+
+    def driver_faults(self, fired: list[int], records: list[dict]) -> None:
+        """The driver's fault state (run times), kept for the next checkpoint."""
+        self.driver_fired, self.driver_records = fired, records
+
+    async def checkpoint(self, name: str, version: int, t0: float, t1: float) -> None:
+        """The rollout side of the checkpoint the trainer just wrote (``name``, at the sync to
+        ``version``, begun at run time t0, rollout paused at t1): it makes it whole. Then the
+        queue forgets what the trainer has trained. Skipped while a worker is being restarted:
+        its generations are not quiet; the previous whole checkpoint stays the one resumed."""
+        if self.rollouter.recovering():
+            log.info("rollout side of checkpoint %s skipped: a worker is being restarted", name)
+        else:
+            snap = await self._capture(version, t0, t1)
+            path = checkpoint_dir(self.run_dir, self.mode) / name
+            await asyncio.to_thread(save_rollout_side, path, snap, self.sc.checkpoint.keep)
+        self.queue.ack()
+
+    async def _capture(self, version: int, t0: float, t1: float) -> Snapshot:
+        sc, ro, q, z = self.sc, self.rollouter, self.queue, self.zero
+        loop = asyncio.get_running_loop()
+        engines = await asyncio.gather(*(_timed(e.handle.counters.remote(), sc.timeouts.control_s, e.name, "counters") for e in self.engines))
+        for e, sup, st in zip(self.engines, ro.engines, engines):
+            st["spans"] = shifted_spans(st["spans"], -e.offset - z)  # engine clock -> this one -> run time
+            st["restarts"] = sup.restarts
+        ledger = Ledger(self.ledger.max_staleness, self.ledger.reuse)
+        ledger.restore(self.ledger.state())
+        ledger.shift_times(-z)
+        snap = Snapshot(state={
+            "format": FORMAT, "side": "rollout", "scenario": scenario_digest(sc), "scenario_name": sc.name, "mode": self.mode,
+            "clock": loop.time() - z,
+            "sync": {"version": version, "t0": t0, "t1": t1},
+            "ledger": ledger.state(),
+            "rollouter": ro.state(),
+            "queue": {"version": q.version, "counters": q.counters()},
+            "engines": engines,
+            "faults": {
+                "fired": sorted(set(self.driver_fired)), "driver": self.driver_records,
+                "records": shifted_records(self.faults.state(), -z),
+            },
+        })
+        for slot, groups in (("queued", q.contents()), ("interrupted", list(ro.cancel_queue)), ("retry", list(ro.retry_queue))):
+            snap.groups[slot] = await asyncio.gather(*(self._with_tokens(g) for g in groups))
+        return snap
+
+    async def _with_tokens(self, g: Group) -> Group:
+        """A copy of ``g`` holding its tokens (resolved from their reference), in run time."""
+        c = g.without_tokens()
+        if g.payload is not None:
+            attach_tokens(c, await g.payload)
+        c.shift_times(-self.zero)
+        return c
+
+    async def restore_run(self, path: str) -> None:
+        """A resumed run: back to the rollout side of checkpoint ``path``, paused inside the
+        sync it was taken in (the trainer finishes it). Groups' tokens go into this run's
+        object store, owned here, as the engines' would be."""
+        snap = await asyncio.to_thread(load_rollout_side, path)
+        st, z, ray = snap.state, self.zero, _ray()
+
+        def live(g: Group) -> Group:
+            g.shift_times(z)
+            m = g.without_tokens()
+            m.payload = ray.put(encode_tokens(g))
+            return m
+
+        groups = {slot: [live(g) for g in snap.groups[slot]] for slot in ("queued", "interrupted", "retry")}
+        self.ledger.restore(st["ledger"])
+        self.ledger.shift_times(z)
+        self.rollouter.restore(st["rollouter"], groups["interrupted"], groups["retry"], paused=True)
+        self.queue.restore(st["queue"]["version"], groups["queued"], st["queue"]["counters"])
+        f = st["faults"]
+        self.faults.records[:] = FaultLog.from_state(shifted_records(f["records"], z)).records
+        self.driver_fired, self.driver_records = list(f["fired"]), list(f["driver"])
+        if len(st["engines"]) != len(self.engines):
+            raise ValueError(f"{path}: {len(st['engines'])} engine states for {len(self.engines)} engines")
+        calls = []
+        for e, sup, es in zip(self.engines, self.rollouter.engines, st["engines"]):
+            sup.restarts = es["restarts"]
+            es = {**es, "spans": shifted_spans(es["spans"], z + e.offset)}
+            calls.append(_timed(e.handle.restore_counters.remote(es), self.sc.timeouts.control_s, e.name, "restore_counters"))
+        await asyncio.gather(*calls)
 
     async def redeliver(self, trained: bytes = b"") -> int:
         """A restarted trainer: drop the dead one's wait, hand back what it was given since its
@@ -521,9 +625,14 @@ class TrainerHost:
     With ``peers`` (``ray.trainer_ranks`` > 1) it is rank 0 of a data-parallel trainer, the
     others ``TrainerRankHost`` actors (core/runtimes/trainer_ranks.py)."""
 
-    def __init__(self, sc: Scenario, mode: str, rollout: Any, threads: int, run_dir: str, peers: tuple = ()) -> None:
+    def __init__(
+        self, sc: Scenario, mode: str, rollout: Any, threads: int, run_dir: str, peers: tuple = (),
+        stop_at_step: Optional[int] = None,
+    ) -> None:
         self.sc, self.mode, self.run_dir = sc, mode, run_dir
         self.rollout = rollout
+        self.stop_at_step = stop_at_step
+        self.zero = 0.0  # this clock at run time 0 (checkpoints hold run times)
         self.resynced_at: Optional[float] = None
         self.backend = make_backend(sc, threads)
         if peers:
@@ -546,34 +655,81 @@ class TrainerHost:
             sc, mode, workers, self.ledger, QueueProxy(self.rollout, rollout_offset),
             RolloutProxy(self.rollout, sc.timeouts.control_s, sc.timeouts.generate_s), self.timeline,
         )
-        self.trainer.on_step = self.param_sync.on_synced = self.told.append
+        self.param_sync.on_synced = self.told.append
+        self.trainer.on_step = self._stepped
         if not sc.checkpoint.every:
             return
 
         async def checkpoint(version: int, t0: float, t1: float) -> None:
-            t = self.trainer
-            if await asyncio.to_thread(save_trainer_side, sc, mode, self.run_dir, t, self.ledger, self.backend, version):
-                await _timed(self.rollout.ack.remote(), sc.timeouts.control_s, "rollouter", "ack")
+            # The trainer's side first, then the rollout side makes it whole (and acknowledges).
+            z = self.zero
+            path = await asyncio.to_thread(
+                save_trainer_side, sc, mode, self.run_dir, self.trainer, self.ledger, self.backend, version,
+                zero=z, extra=self._extra(),
+            )
+            if path is not None:
+                await _timed(self.rollout.checkpoint.remote(path.name, version, t0 - z, t1 - z), sc.timeouts.control_s, "rollouter", "checkpoint")
 
         self.param_sync.checkpoint = checkpoint
+        # A whole checkpoint holds no generation in flight: an inflight sync that takes one aborts them.
+        self.param_sync.checkpoint_captures_rollout = lambda version: due(sc, version)
         if latest(checkpoint_dir(self.run_dir, mode)) is None:  # what a trainer dying before its first sync goes back to
-            save_trainer_side(sc, mode, self.run_dir, self.trainer, self.ledger, self.backend, 0, at_start=True)
+            save_trainer_side(sc, mode, self.run_dir, self.trainer, self.ledger, self.backend, 0, at_start=True, zero=self.zero)
+
+    def _stepped(self, event: Progress) -> None:
+        self.told.append(event)
+        if self.stop_at_step is not None and event.step >= self.stop_at_step:
+            raise RunStopped(f"stopped after step {event.step}")
+
+    def _extra(self) -> dict:
+        """What a resume takes back besides the trainer's own side (run times)."""
+        ps, be = self.param_sync, self.backend
+        return {
+            "param_sync": {"pause_s": ps.pause_s, "drain_s": ps.drain_s, "transfer_s": ps.transfer_s},
+            "timeline": shifted_spans(dict(self.timeline.spans), -self.zero),
+            "backend": {"compute_s": be.compute_s, "flops": be.flops},
+        }
+
+    def set_zero(self, zero: float) -> None:
+        self.zero = zero
+
+    async def restore_run(self, path: str) -> None:
+        """A resumed run: back to the trainer side of whole checkpoint ``path``."""
+        snap = await asyncio.to_thread(load, path)
+        st, z = snap.state, self.zero
+        self.trainer.restore({**st["trainer"], "step_info": [{**i, "end_s": i["end_s"] + z} for i in st["trainer"]["step_info"]]},
+                             snap.groups["holding"])
+        self.ledger.restore(st["ledger"], fields=self.ledger.TRAINED_FIELDS)
+        self.ledger.shift_times(z)
+        ps, be = self.param_sync, self.backend
+        p = st["param_sync"]
+        ps.pause_s, ps.drain_s, ps.transfer_s = list(p["pause_s"]), list(p["drain_s"]), list(p["transfer_s"])
+        own = be.backend if isinstance(be, RankedBackend) else be  # rank 0's backend counts the work
+        own.compute_s, own.flops = st["backend"]["compute_s"], st["backend"]["flops"]
+        for w, rows in shifted_spans(st["timeline"], z).items():
+            self.timeline.spans[w][:0] = rows
+        await asyncio.to_thread(lambda: be.load({stem: load_tensors(path, stem) for stem in be.tensor_files}))
 
     async def restore(self) -> None:
         """A restarted trainer: back to the latest checkpoint; the queue hands back what the
         dead one was given since."""
-        await asyncio.to_thread(restore_trainer_side, self.trainer, self.ledger, self.backend, self.run_dir, self.mode)
+        await asyncio.to_thread(restore_trainer_side, self.trainer, self.ledger, self.backend, self.run_dir, self.mode, self.zero)
         await _timed(self.rollout.redeliver.remote(self.ledger.trained_mask()), self.sc.timeouts.control_s, "rollouter", "redeliver")
 
-    async def run(self, resync: bool = False) -> None:
-        """Train to the end; ``resync``: first move the engines to this trainer's weights."""
+    async def run(self, resync: bool = False, resume: Optional[tuple[int, float, float]] = None) -> None:
+        """Train to the end; ``resync``: first move the engines to this trainer's weights;
+        ``resume``: first finish the sync (version, t0, t1 in run time) a checkpoint was taken in."""
         loop = asyncio.get_running_loop()
 
         async def first() -> None:
             await self.param_sync.sync(self.trainer.version, checkpoint=False)
             self.resynced_at = loop.time()
 
-        await self.trainer.run(first if resync else None)
+        async def finish() -> None:
+            version, t0, t1 = resume
+            await self.param_sync.finish(version, t0 + self.zero, t1 + self.zero)
+
+        await self.trainer.run(first if resync else finish if resume is not None else None)
         self.end_s = loop.time()
 
     def progress(self) -> tuple[int, int, Optional[float], list[Progress]]:
@@ -675,6 +831,7 @@ def _restart_trainer(run: "_Actors", sc: Scenario) -> tuple[int, float]:
     trainer, off_rollout = run.trainer, run.off_rollout
     pid = _back("trainer", trainer, run.trainer_pid, sc, deadline)
     off = _offset(trainer)
+    ray.get(trainer.set_zero.remote(run.t0 + off), timeout=sc.timeouts.control_s)
     ray.get(trainer.connect.remote(off_rollout - off), timeout=sc.timeouts.restart_s)
     ray.get(trainer.restore.remote(), timeout=sc.timeouts.restart_s)
     return pid, off
@@ -705,13 +862,21 @@ def run_ray(
     on_step: Optional[ProgressFn] = None,
     on_processes: Optional[ProcessesFn] = None,
     run_dir=None,
+    resume: bool = False,
+    stop_at_step: Optional[int] = None,
 ) -> RunResult:
     """Run one mode with every component in its own Ray actor; the driver only watches, and
-    injects the scenario's faults. ``run_dir`` keeps the trainer's checkpoints (it must be on
-    storage every node sees); a temporary directory when None."""
+    injects the scenario's faults. ``run_dir`` keeps the checkpoints (it must be on storage
+    every node sees); a temporary directory when None. ``resume``: start from the latest
+    whole checkpoint there (core/runtimes/ray_checkpoint.py), or from the start if there is
+    none; ``stop_at_step``: stop after that trainer step, as a crash would (``RunStopped``)."""
     with tempfile.TemporaryDirectory(prefix="asyncrl-ray-") as tmp:
         where = os.path.abspath(run_dir if run_dir is not None else tmp)
-        return _run_ray(sc, mode, on_step, on_processes, where)
+        point = None
+        if resume:
+            point = load_ray_run(where, sc, mode)
+            discard_after(checkpoint_dir(where, mode), point.path if point is not None else None)
+        return _run_ray(sc, mode, on_step, on_processes, where, point, stop_at_step)
 
 
 @dataclass
@@ -727,9 +892,12 @@ class _Actors:
     peers: list  # trainer ranks 1..N-1
     peer_pids: list
     restarting: bool = False
+    t0: float = 0.0  # the driver's clock at run time 0
 
 
-def _run_ray(sc: Scenario, mode: str, on_step, on_processes, run_dir: str) -> RunResult:
+def _run_ray(
+    sc: Scenario, mode: str, on_step, on_processes, run_dir: str, point: Optional[RayResume] = None, stop_at_step: Optional[int] = None,
+) -> RunResult:
     ray = _ray()
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -787,7 +955,7 @@ def _run_ray(sc: Scenario, mode: str, on_step, on_processes, run_dir: str) -> Ru
             ]
             actors.extend(peers)
             trainer = ray.remote(TrainerHost).options(**pinned(_trainer_bundle(place, 0), sc.ray.trainer), **restarts).remote(
-                sc, mode, rollout, threads, run_dir, tuple(peers)
+                sc, mode, rollout, threads, run_dir, tuple(peers), stop_at_step
             )
             actors.append(trainer)
             # Every actor here shares the host's monotonic clock unless the cluster spans nodes,
@@ -804,7 +972,7 @@ def _run_ray(sc: Scenario, mode: str, on_step, on_processes, run_dir: str) -> Ru
             run = _Actors(
                 rollout, trainer, off_rollout, off_trainer, trainer_pid, {n: off for (n, _), off in zip(engines, off_engines)}, peers, peer_pids,
             )
-            return asyncio.run(_watch(sc, mode, place, run, on_step))
+            return asyncio.run(_watch(sc, mode, place, run, on_step, point))
         finally:
             for a in actors:
                 ray.kill(a)
@@ -816,9 +984,12 @@ def _run_ray(sc: Scenario, mode: str, on_step, on_processes, run_dir: str) -> Ru
                 serve.delete("asyncrl-reward")
 
 
-async def _watch(sc: Scenario, mode: str, place: Placement, run: _Actors, on_step: Optional[ProgressFn]) -> RunResult:
+async def _watch(
+    sc: Scenario, mode: str, place: Placement, run: _Actors, on_step: Optional[ProgressFn], point: Optional[RayResume] = None,
+) -> RunResult:
     """The driver's loop: it blocks on nothing, and every poll_s reports progress, launches
-    evaluations and fires the faults due. The trainer is supervised as in one process."""
+    evaluations and fires the faults due. The trainer is supervised as in one process.
+    ``point``: a whole checkpoint that both sides go back to first; run time goes on from it."""
     ray, died = _ray(), _died()
     control_s = sc.timeouts.control_s
     rollout = run.rollout
@@ -826,16 +997,29 @@ async def _watch(sc: Scenario, mode: str, place: Placement, run: _Actors, on_ste
     evals.warm_up()
     plan = FaultPlan(sc.faults, set())
     faults = FaultLog()  # the trainer's; the rollout actor keeps its workers'
-    t0 = time.monotonic()
+    started = time.monotonic()
+    t0 = run.t0 = started - (point.clock if point is not None else 0.0)
+    ray.get([rollout.set_zero.remote(t0 + run.off_rollout), run.trainer.set_zero.remote(t0 + run.off_trainer)], timeout=control_s)
+    if point is not None:
+        ray.get(rollout.restore_run.remote(str(point.path)), timeout=sc.timeouts.restart_s)
+        ray.get(run.trainer.restore_run.remote(str(point.path)), timeout=sc.timeouts.restart_s)
+        plan.fired.update(point.fired)
+        faults.records[:] = FaultLog.from_state(point.driver_faults).records
+
+    def share() -> None:
+        """The driver's faults go into the rollout side of the next checkpoint."""
+        rollout.driver_faults.remote(sorted(plan.fired), faults.state())
 
     def fire(i: int, f) -> None:
         if f.target == "trainer":
             strike(f, _TrainerTargets(run.trainer), faults, time.monotonic() - t0)
         else:
             ray.get(rollout.inject.remote(i), timeout=control_s)
+        share()
 
     async def train(resync: bool) -> None:
-        await run.trainer.run.remote(resync)
+        # A resumed run finishes the sync its checkpoint was taken in; a restarted trainer resyncs.
+        await run.trainer.run.remote(resync, None if resync or point is None else point.sync)
 
     async def restart() -> None:
         run.restarting = True  # a trainer being wired answers no progress, and no fault strikes it
@@ -866,24 +1050,27 @@ async def _watch(sc: Scenario, mode: str, place: Placement, run: _Actors, on_ste
                 continue
             try:
                 step, version, resynced, told = await _timed(run.trainer.progress.remote(), control_s, "trainer", "progress")
-                if resynced is not None:
+                if resynced is not None and any(r.target == "trainer" and r.recovered_s is None for r in faults.records):
                     faults.recovered("trainer", resynced - run.off_trainer - t0)
+                    share()
                 tell(told)
                 evals.poll(run.trainer, version, time.monotonic() - t0)
             except died:
                 pass  # the trainer is being restarted
             injector.poll(step, time.monotonic() - t0)
-    except BaseException:
+    except BaseException as exc:
         for task in (rolling, training):
             task.cancel()
         await asyncio.gather(rolling, training, return_exceptions=True)
+        if isinstance(exc, RunStopped):  # raised in the trainer actor: its own message, not Ray's traceback
+            raise RunStopped(str(getattr(exc, "cause", exc))) from None
         raise
     tell(ray.get(run.trainer.progress.remote(), timeout=control_s)[3])  # the steps since the last poll
     trained = ray.get(run.trainer.finish.remote(), timeout=control_s)
     rolled = ray.get(rollout.stop.remote(), timeout=sc.timeouts.generate_s)
     evals.finish(time.monotonic() - t0)
     await _timed(rolling, control_s, "rollouter", "run")  # a rollouter that failed after the trainer finished fails the run
-    wall_s = time.monotonic() - t0
+    wall_s = time.monotonic() - started
     # Everything onto the driver's clock, zero at the start.
     dt_r, dt_t = -run.off_rollout - t0, -run.off_trainer - t0
     ledger: Ledger = rolled["ledger"]

@@ -280,16 +280,25 @@ def restore_trainer(system: System) -> None:
     system.queue.redeliver()
 
 
-def restore_trainer_side(trainer: Trainer, ledger: Ledger, backend: TrainBackend, run_dir: Path, mode: str) -> None:
+def restore_trainer_side(
+    trainer: Trainer, ledger: Ledger, backend: TrainBackend, run_dir: Path, mode: str, zero: float = 0.0,
+) -> None:
     """Step, version and the learning curve, the ledger's trained counts, weights and
-    optimizer, from the latest checkpoint of ``mode`` (whole-run or trainer-side)."""
+    optimizer, from the latest checkpoint of ``mode`` (whole-run or trainer-side). ``zero``:
+    this clock's reading at run time 0 (a ray actor's; the checkpoint's times are run times)."""
     found = latest(checkpoint_dir(run_dir, mode))
     if found is None:
         raise RuntimeError("the trainer died before its first checkpoint; fix: checkpoint.every: 1")
     st = load(found).state
-    trainer.restore(st["trainer"], [], wait_s=False)
+    trainer.restore(_trainer_at(st["trainer"], zero), [], wait_s=False)
     ledger.restore(st["ledger"], fields=ledger.TRAINED_FIELDS)
+    ledger.shift_times(zero)
     _load_backend(backend, found)
+
+
+def _trainer_at(state: dict, dt: float) -> dict:
+    """The trainer's state with its step times moved by ``dt``."""
+    return {**state, "step_info": [{**info, "end_s": info["end_s"] + dt} for info in state["step_info"]]}
 
 
 def _load_backend(backend: TrainBackend, path: Path) -> None:
@@ -299,12 +308,17 @@ def _load_backend(backend: TrainBackend, path: Path) -> None:
 
 def save_trainer_side(
     sc: Scenario, mode: str, run_dir: Path, trainer: Trainer, ledger: Ledger, backend: TrainBackend, version: int,
-    at_start: bool = False,
+    at_start: bool = False, zero: float = 0.0, extra: Optional[dict] = None,
 ) -> Optional[Path]:
     """The trainer's side alone (the ray runtime, where the rollout side lives in another
-    process and keeps going while the trainer restarts)."""
+    process and adds its own side after: core/runtimes/ray_checkpoint.py, which prunes old
+    checkpoints once the new one is whole). Times are stored as run times: ``zero`` is this
+    clock's reading at run time 0. ``extra``: more state, read only by a resume."""
     if not (at_start or due(sc, version)):
         return None
+    led = Ledger(ledger.max_staleness, ledger.reuse)
+    led.restore(ledger.state())
+    led.shift_times(-zero)
     state = {
         "format": FORMAT,
         "side": "trainer",
@@ -312,11 +326,14 @@ def save_trainer_side(
         "scenario_name": sc.name,
         "mode": mode,
         "sync": None if at_start else {"version": version},
-        "trainer": trainer.state(),
-        "ledger": ledger.state(),
+        "trainer": _trainer_at(trainer.state(), -zero),
+        "ledger": led.state(),
+        **(extra or {}),
     }
+    snap = Snapshot(state=state)
+    snap.groups["holding"] = list(trainer.holding.groups)
     tensors = backend.state_dict() or None
-    return save(checkpoint_dir(run_dir, mode), trainer.step, Snapshot(state=state), tensors, keep=sc.checkpoint.keep)
+    return save(checkpoint_dir(run_dir, mode), trainer.step, snap, tensors, keep=None)
 
 
 def restore_latest(system: System) -> Optional[tuple[int, float, float]]:

@@ -183,9 +183,10 @@ def fsync_dir(path: Path) -> None:
 STATE_FILE = "state.ckpt"
 
 
-def save(root: Path, step: int, snap: Snapshot, tensors: Optional[dict[str, dict]] = None, keep: int = 2) -> Path:
+def save(root: Path, step: int, snap: Snapshot, tensors: Optional[dict[str, dict]] = None, keep: Optional[int] = 2) -> Path:
     """Write checkpoint ``root/step-NNNNNN/`` atomically (built aside, fsynced, renamed) and
-    keep the newest ``keep``. ``tensors`` maps a file stem to a safetensors dict."""
+    keep the newest ``keep`` (None: prune nothing; the caller does once the checkpoint is
+    complete). ``tensors`` maps a file stem to a safetensors dict."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
@@ -203,7 +204,7 @@ def save(root: Path, step: int, snap: Snapshot, tensors: Optional[dict[str, dict
     except BaseException:
         discard_owned(tmp, "checkpoint")
         raise
-    for old in checkpoints(root)[:-keep]:
+    for old in checkpoints(root)[:-keep] if keep is not None else []:
         if is_owned(old, "checkpoint"):
             remove_owned(old, "checkpoint")
         else:  # written before checkpoints were stamped, or not by asyncrl: never removed
