@@ -23,20 +23,22 @@ def ray_torch(model_dir, **changes):
     )
 
 
-@pytest.mark.parametrize("mode", ["async", "partial"])
-def test_ray_run_stopped_and_resumed_accounts_for_every_sample(ray_session, tiny_model_dir, tmp_path, mode):
+# partial stops earlier: its checkpoint at version 2 usually holds interrupted groups, whose
+# partial tokens the resumed engines must take back (a wrong count fails the run).
+@pytest.mark.parametrize("mode, stop", [("async", 4), ("partial", 3)])
+def test_ray_run_stopped_and_resumed_accounts_for_every_sample(ray_session, tiny_model_dir, tmp_path, mode, stop):
     sc = ray_torch(tiny_model_dir, modes=[mode])
-    with pytest.raises(RunStopped, match="stopped after step 4"):
-        run_mode(sc, mode, run_dir=tmp_path, stop_at_step=4)
+    with pytest.raises(RunStopped, match=f"stopped after step {stop}"):
+        run_mode(sc, mode, run_dir=tmp_path, stop_at_step=stop)
     root = checkpoint_dir(tmp_path, mode)
     whole = latest_whole(root)
-    assert whole is not None and whole.name == "step-000003"  # the sync after step 4 never came
-    saved = load(whole).state["trainer"]["step_info"]
-    clock = load(whole).state  # the trainer side's; the rollout side was written after it
-    assert len(saved) == 3
+    assert whole is not None and whole.name == f"step-{stop - 1:06d}"  # the sync after the last step never came
+    trainer_side = load(whole).state
+    saved = trainer_side["trainer"]["step_info"]
+    assert len(saved) == trainer_side["trainer"]["step"] == stop - 1
     if mode == "async":
         # A crash between the two writes: the newest checkpoint holds the trainer's side only.
-        torn = root / "step-000004"
+        torn = root / f"step-{stop:06d}"
         shutil.copytree(whole, torn)
         (torn / ROLLOUT_FILE).unlink()
     system = run_mode(sc, mode, run_dir=tmp_path, resume=True)
@@ -45,9 +47,8 @@ def test_ray_run_stopped_and_resumed_accounts_for_every_sample(ray_session, tiny
     info = system.trainer.step_info
     # The learning curve goes on from the checkpoint: its steps first, then the rest, in time order.
     assert [i["trainings"] for i in info] == [32 * k for k in range(1, 7)]
-    assert [i["end_s"] for i in info[:3]] == pytest.approx([i["end_s"] for i in saved])
-    assert all(a < b for a, b in zip([i["end_s"] for i in info], [i["end_s"] for i in info[1:]]))
-    assert info[3]["end_s"] > info[2]["end_s"] and system.end_s >= info[-1]["end_s"]
+    ends = [i["end_s"] for i in info]
+    assert ends[: stop - 1] == pytest.approx([i["end_s"] for i in saved])
+    assert all(a < b for a, b in zip(ends, ends[1:])) and system.end_s >= ends[-1]
     assert all(0 <= a <= b for rows in system.timeline.spans.values() for _, a, b in rows)
-    assert clock["trainer"]["step"] == 3
-    assert all(latest_whole(root) == p for p in checkpoints(root)[-1:])  # the torn one is gone, the new ones whole
+    assert latest_whole(root) == checkpoints(root)[-1]  # the torn one is gone; the resumed run's are whole

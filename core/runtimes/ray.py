@@ -452,7 +452,8 @@ class RolloutHost:
         groups = {slot: [live(g) for g in snap.groups[slot]] for slot in ("queued", "interrupted", "retry")}
         self.ledger.restore(st["ledger"])
         self.ledger.shift_times(z)
-        self.rollouter.restore(st["rollouter"], groups["interrupted"], groups["retry"], paused=True)
+        # This run's engines are new processes: none holds an interrupted group's prefix.
+        self.rollouter.restore({**st["rollouter"], "holders": []}, groups["interrupted"], groups["retry"], paused=True)
         self.queue.restore(st["queue"]["version"], groups["queued"], st["queue"]["counters"])
         f = st["faults"]
         self.faults.records[:] = FaultLog.from_state(shifted_records(f["records"], z)).records
