@@ -52,3 +52,18 @@ def test_ray_run_stopped_and_resumed_accounts_for_every_sample(ray_session, tiny
     assert all(a < b for a, b in zip(ends, ends[1:])) and system.end_s >= ends[-1]
     assert all(0 <= a <= b for rows in system.timeline.spans.values() for _, a, b in rows)
     assert latest_whole(root) == checkpoints(root)[-1]  # the torn one is gone; the resumed run's are whole
+
+
+def test_the_harness_takes_stop_at_step_for_ray_and_checks_it_as_for_sim(tmp_path, capsys):
+    """--stop-at-step on a ray scenario is no longer refused for its runtime: it is checked as
+    a sim or local run's is (one line, exit 2, nothing written)."""
+    from harness.run import main
+    from tests.test_bad_input import one_error, sets
+
+    out = tmp_path / "run"
+    ray_sets = sets("trainer.steps=4", "checkpoint.every=1")
+    assert main(["scenarios/real-cpu-vllm.yaml", "--out", str(out), "--stop-at-step", "4", *ray_sets]) == 2
+    assert "between 1 and trainer.steps - 1 = 3" in one_error(capsys)
+    assert main(["scenarios/real-cpu-vllm.yaml", "--out", str(out), "--stop-at-step", "2", *sets("checkpoint.every=0")]) == 2
+    assert "--set checkpoint.every=1" in one_error(capsys)
+    assert not out.exists()
