@@ -57,7 +57,7 @@ from core.real.hf_model import model_dtype
 from core.runtimes.broadcast_transfer import BroadcastTransfer
 from core.runtimes.object_store_transfer import ObjectStoreTransfer
 from core.runtimes.ray_checkpoint import (
-    RayResume, discard_after, latest_whole, load_ray_run, load_rollout_side, save_rollout_side, shifted_records, shifted_spans,
+    RayResume, discard_after, load_ray_run, load_rollout_side, save_rollout_side, shifted_records, shifted_spans,
 )
 from core.runtimes.run_checkpoint import FORMAT, checkpoint_dir, due, restore_trainer_side, save_trainer_side, scenario_digest
 from core.runtimes.supervision import FaultInjector, strike, supervise_trainer
