@@ -19,7 +19,9 @@ bundle per rollout engine and one for the trainer; ``sync`` colocates the traine
 engines on their bundles, as the sim's colocated baseline does.
 
 Faults fire and the trainer is supervised through ``core.runtimes.supervision``, as in one
-process. Each process has its own monotonic clock: the driver measures every actor's offset
+process. At a due sync both actors write their side of one whole checkpoint, which a resumed
+run (``resume``) puts back into fresh actors (``core.runtimes.ray_checkpoint``); the rollout
+actor is not restarted when it dies. Each process has its own monotonic clock: the driver measures every actor's offset
 once (the midpoint of a round trip) and moves their timestamps onto its own, zero at the
 start, in the ``RunResult`` it returns.
 """
