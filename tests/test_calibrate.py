@@ -19,7 +19,7 @@ from core.runtimes.sim import run_sim
 from core.sim.costs import DecodeCost, TrainCost
 from core.sim.workload import Workload
 from harness import calibrate
-from harness.calibrate import CalibrationError, fit_spans, main, nnls
+from harness.calibrate import fit_spans, main, nnls
 from harness.metrics import collect
 from harness.scenario import load
 from harness.spans import SCHEMA, calibration_spans

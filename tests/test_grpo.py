@@ -4,7 +4,6 @@ the tiny model really learns the task on two CPU cores."""
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import time
 from pathlib import Path

@@ -59,7 +59,7 @@ from core.real.hf_model import model_dtype
 from core.runtimes.broadcast_transfer import BroadcastTransfer
 from core.runtimes.object_store_transfer import ObjectStoreTransfer
 from core.runtimes.ray_checkpoint import (
-    RayResume, discard_after, load_ray_run, load_rollout_side, save_rollout_side, shifted_records, shifted_spans,
+    RayResume, discard_after, load_ray_run, load_rollout_side, save_rollout_side, shifted_records, shifted_spans, shifted_steps,
 )
 from core.runtimes.run_checkpoint import FORMAT, checkpoint_dir, due, restore_trainer_side, save_trainer_side, scenario_digest
 from core.runtimes.supervision import FaultInjector, strike, supervise_trainer
@@ -700,7 +700,7 @@ class TrainerHost:
         """A resumed run: back to the trainer side of whole checkpoint ``path``."""
         snap = await asyncio.to_thread(load, path)
         st, z = snap.state, self.zero
-        self.trainer.restore({**st["trainer"], "step_info": [{**i, "end_s": i["end_s"] + z} for i in st["trainer"]["step_info"]]},
+        self.trainer.restore({**st["trainer"], "step_info": shifted_steps(st["trainer"]["step_info"], z)},
                              snap.groups["holding"])
         self.ledger.restore(st["ledger"], fields=self.ledger.TRAINED_FIELDS)
         self.ledger.shift_times(z)
