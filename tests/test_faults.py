@@ -870,12 +870,12 @@ def test_config_errors_carry_the_key_and_value():
     assert isinstance(err, ConfigError)
     assert (err.key, err.value) == ("faults.1.at_step", STEPS + 3)
     assert f"use at most {STEPS - 1}" in err.fix
-    # Faults on the local runtime, and a queue kill on ray, are refused by name.
+    # Faults on the local runtime, and a queue kill on ray without whole checkpoints to go back to, are refused by name.
     with pytest.raises(ValidationError, match=r"faults = '\[\.\.\.\]': faults are injected on the sim and ray runtimes"):
         with_changes(sc, {"runtime": "local", "engine.kind": "torch", "workload.max_response_len": 64,
                           "faults": [{"kind": "kill", "at_s": 1.0}]})
-    with pytest.raises(ValidationError, match=r"faults\.0\.target = 'queue': on the ray runtime"):
-        with_changes(sc, {"runtime": "ray", "engine.kind": "vllm", "workload.max_response_len": 64,
+    with pytest.raises(ValidationError, match=r"checkpoint\.every = 0: faults\.0 kills the rollout actor"):
+        with_changes(sc, {"runtime": "ray", "engine.kind": "vllm", "workload.max_response_len": 64, "checkpoint.every": 0,
                           "faults": [{"kind": "kill", "target": "queue", "at_s": 1.0}]})
 
 

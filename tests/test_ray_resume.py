@@ -67,3 +67,21 @@ def test_the_harness_takes_stop_at_step_for_ray_and_checks_it_as_for_sim(tmp_pat
     assert main(["scenarios/real-cpu-vllm.yaml", "--out", str(out), "--stop-at-step", "2", *sets("checkpoint.every=0")]) == 2
     assert "--set checkpoint.every=1" in one_error(capsys)
     assert not out.exists()
+
+
+def test_a_killed_rollout_actor_brings_the_run_back_to_its_last_whole_checkpoint(ray_session, tiny_model_dir, tmp_path):
+    """The rollout actor (queue, Rollouter, producer's ledger) killed mid-run: the driver puts
+    both sides of the last whole checkpoint into new actors and the run goes on to its end,
+    every sample accounted for, the kill reported recovered, and no fault fired twice."""
+    sc = ray_torch(tiny_model_dir, modes=["async"], faults=[{"kind": "kill", "target": "queue", "at_step": 3}])
+    system = run_mode(sc, "async", run_dir=tmp_path)
+    m = assert_recovered_run(system)
+    assert m["faults/injected"] == 1 and m["faults/recovered"] == 1
+    (rec,) = system.faults.records
+    assert (rec.kind, rec.target) == ("kill", "queue") and rec.recovered_s > rec.at_s
+    info = system.trainer.step_info
+    assert [i["trainings"] for i in info] == [32 * k for k in range(1, 7)]
+    # Steps 1 and 2 are the checkpoint's; the rest were trained after the run came back.
+    ends = [i["end_s"] for i in info]
+    assert all(a < b for a, b in zip(ends, ends[1:])) and ends[2] > rec.recovered_s > ends[1]
+    assert latest_whole(checkpoint_dir(tmp_path, "async")) == checkpoints(checkpoint_dir(tmp_path, "async"))[-1]

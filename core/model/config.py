@@ -641,7 +641,8 @@ class RaySpec(_Frozen):
 class FaultSpec(_Frozen):
     """One injected fault, at a time or after a trainer step (exactly one of the two).
 
-    ``kill`` ends a component's process: a rollout worker (engine), the queue, or the
+    ``kill`` ends a component's process: a rollout worker (engine), the queue (on ray, the
+    rollout actor that holds it: the run goes back to its last whole checkpoint), or the
     trainer; ``slow`` makes a rollout worker ``factor`` times slower for ``duration_s``;
     ``hang`` makes the worker's next ``call`` never answer, until its timeout gives up on it.
     Read by: operations, on the sim and ray runtimes.
@@ -999,20 +1000,21 @@ class Scenario(_Frozen):
                     "checkpoint.every", 0, f"{key} kills the trainer, which restarts from its last checkpoint",
                     "set checkpoint.every: 1 (a checkpoint at every weight sync)",
                 )
-            if f.kind == "kill" and f.target == "queue" and self.runtime == "ray":
+            if f.kind == "kill" and f.target == "queue" and self.runtime == "ray" and not self.checkpoint.every:
                 raise ConfigError(
-                    f"{key}.target", "queue", "on the ray runtime the queue lives in the rollout actor and is not killed alone",
-                    "kill a rollout_worker or the trainer there, or run the queue kill on runtime sim",
+                    "checkpoint.every", 0, f"{key} kills the rollout actor (the queue's process on ray), and the run goes back "
+                    "to its last whole checkpoint", "set checkpoint.every: 1 (a checkpoint at every weight sync)",
                 )
         self._check_restarts()
 
     def _check_restarts(self) -> None:
-        """Each kill of a worker or of the trainer costs it a restart (a queue's are not counted);
-        more kills of one than ``recovery.max_restarts`` make the run's failure certain."""
+        """Each kill of a worker or of the trainer costs it a restart (a queue's are not counted,
+        except on ray, where it is the rollout actor's); more kills of one than
+        ``recovery.max_restarts`` make the run's failure certain."""
         kills: dict[str, int] = {}
         for f in self.faults:
-            if f.kind == "kill" and f.target != "queue":
-                name = f"rollout worker {f.worker}" if f.target == "rollout_worker" else "the trainer"
+            if f.kind == "kill" and (f.target != "queue" or self.runtime == "ray"):
+                name = {"rollout_worker": f"rollout worker {f.worker}", "trainer": "the trainer", "queue": "the rollout actor"}[f.target]
                 kills[name] = kills.get(name, 0) + 1
         most = max(kills.items(), key=lambda kv: kv[1], default=None)
         if most is not None and most[1] > self.recovery.max_restarts:

@@ -20,8 +20,9 @@ engines on their bundles, as the sim's colocated baseline does.
 
 Faults fire and the trainer is supervised through ``core.runtimes.supervision``, as in one
 process. At a due sync both actors write their side of one whole checkpoint, which a resumed
-run (``resume``) puts back into fresh actors (``core.runtimes.ray_checkpoint``); the rollout
-actor is not restarted when it dies. Each process has its own monotonic clock: the driver measures every actor's offset
+run (``resume``) puts back into fresh actors (``core.runtimes.ray_checkpoint``). So does a run
+whose rollout actor died: the queue and the producer's ledger went with it, so the whole run
+goes back to that checkpoint (``recovery.max_restarts`` times at most), and run time goes on. Each process has its own monotonic clock: the driver measures every actor's offset
 once (the midpoint of a round trip) and moves their timestamps onto its own, zero at the
 start, in the ``RunResult`` it returns.
 """
@@ -34,12 +35,12 @@ import logging
 import os
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from core.api import Batch, PauseMode, RunStopped
 from core.model.config import Placement, Scenario
-from core.model.faults import CallTimeout, FaultLog, FaultPlan, WorkerLost, worker_key
+from core.model.faults import CallTimeout, FaultLog, FaultPlan, RestartsExhausted, WorkerLost, worker_key
 from core.model.ledger import Ledger
 from core.model.progress import Progress
 from core.model.result import EngineCounters, RunResult, SyncCounters, TrainerCounters
@@ -879,7 +880,38 @@ def run_ray(
         if resume:
             point = load_ray_run(where, sc, mode)
             discard_after(checkpoint_dir(where, mode), point.path if point is not None else None)
-        return _run_ray(sc, mode, on_step, on_processes, where, point, stop_at_step)
+        carried = _Carried()
+        while True:
+            try:
+                return _run_ray(sc, mode, on_step, on_processes, where, point, stop_at_step, carried)
+            except _RolloutLost as exc:
+                # The queue, the Rollouter and the producer's ledger died with the actor: the
+                # groups made since the last whole checkpoint are gone, so the trainer goes back too.
+                carried.restarts += 1
+                if carried.restarts > sc.recovery.max_restarts:
+                    raise RestartsExhausted(
+                        f"the rollout actor: died {carried.restarts} times, more than recovery.max_restarts = {sc.recovery.max_restarts}"
+                    ) from None
+                point = load_ray_run(where, sc, mode)
+                discard_after(checkpoint_dir(where, mode), point.path if point is not None else None)
+                log.warning("%s; the run goes back to %s", exc, point.path.name if point is not None else "its start")
+
+
+class _RolloutLost(RuntimeError):
+    """The rollout actor died mid-run (``run_ray`` brings the run back to its last whole checkpoint)."""
+
+
+@dataclass
+class _Carried:
+    """What a run keeps across its rollout actor's deaths: when it started, its clock's zero,
+    which faults fired and the driver's fault records (those since the checkpoint it goes back
+    to are not in it)."""
+
+    restarts: int = 0
+    started: Optional[float] = None
+    t0: Optional[float] = None
+    fired: set = field(default_factory=set)
+    records: list = field(default_factory=list)
 
 
 @dataclass
@@ -900,6 +932,7 @@ class _Actors:
 
 def _run_ray(
     sc: Scenario, mode: str, on_step, on_processes, run_dir: str, point: Optional[RayResume] = None, stop_at_step: Optional[int] = None,
+    carried: Optional[_Carried] = None,
 ) -> RunResult:
     ray = _ray()
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -943,7 +976,7 @@ def _run_ray(
                 reward_handle = deploy_reward(sc)
                 serve_started = True
             c = sc.ray.controller
-            # The rollout actor holds the queue and the producer's ledger: it is not restarted.
+            # The rollout actor holds the queue and the producer's ledger: when it dies, run_ray brings the whole run back.
             rollout = ray.remote(RolloutHost).options(num_cpus=c.num_cpus, num_gpus=c.num_gpus, max_concurrency=c.max_concurrency).remote(sc, mode, run_dir)
             actors.append(rollout)
             off_rollout = _offset(rollout)
@@ -975,7 +1008,7 @@ def _run_ray(
             run = _Actors(
                 rollout, trainer, off_rollout, off_trainer, trainer_pid, {n: off for (n, _), off in zip(engines, off_engines)}, peers, peer_pids,
             )
-            return asyncio.run(_watch(sc, mode, place, run, on_step, point))
+            return asyncio.run(_watch(sc, mode, place, run, on_step, point, carried or _Carried()))
         finally:
             for a in actors:
                 ray.kill(a)
@@ -988,11 +1021,13 @@ def _run_ray(
 
 
 async def _watch(
-    sc: Scenario, mode: str, place: Placement, run: _Actors, on_step: Optional[ProgressFn], point: Optional[RayResume] = None,
+    sc: Scenario, mode: str, place: Placement, run: _Actors, on_step: Optional[ProgressFn], point: Optional[RayResume],
+    carried: _Carried,
 ) -> RunResult:
     """The driver's loop: it blocks on nothing, and every poll_s reports progress, launches
     evaluations and fires the faults due. The trainer is supervised as in one process.
-    ``point``: a whole checkpoint that both sides go back to first; run time goes on from it."""
+    ``point``: a whole checkpoint that both sides go back to first; run time goes on from it,
+    or, for a run brought back after its rollout actor died (``carried``), from now."""
     ray, died = _ray(), _died()
     control_s = sc.timeouts.control_s
     rollout = run.rollout
@@ -1000,29 +1035,54 @@ async def _watch(
     evals.warm_up()
     plan = FaultPlan(sc.faults, set())
     faults = FaultLog()  # the trainer's; the rollout actor keeps its workers'
-    started = time.monotonic()
-    t0 = run.t0 = started - (point.clock if point is not None else 0.0)
+    if carried.t0 is None:
+        carried.started = time.monotonic()
+        carried.t0 = carried.started - (point.clock if point is not None else 0.0)
+    started = carried.started
+    t0 = run.t0 = carried.t0
     ray.get([rollout.set_zero.remote(t0 + run.off_rollout), run.trainer.set_zero.remote(t0 + run.off_trainer)], timeout=control_s)
     if point is not None:
         ray.get(rollout.restore_run.remote(str(point.path)), timeout=sc.timeouts.restart_s)
         ray.get(run.trainer.restore_run.remote(str(point.path)), timeout=sc.timeouts.restart_s)
         plan.fired.update(point.fired)
         faults.records[:] = FaultLog.from_state(point.driver_faults).records
+    # Back after the rollout actor died: what fired since the checkpoint stays fired, and recorded.
+    plan.fired.update(carried.fired)
+    have = {(r.kind, r.target, r.at_s) for r in faults.records}
+    faults.records.extend(r for r in FaultLog.from_state(carried.records).records if (r.kind, r.target, r.at_s) not in have)
 
     def share() -> None:
-        """The driver's faults go into the rollout side of the next checkpoint."""
+        """The driver's faults go into the rollout side of the next checkpoint, and survive its actor."""
+        carried.fired, carried.records = set(plan.fired), faults.state()
         rollout.driver_faults.remote(sorted(plan.fired), faults.state())
 
+    share()
+
     def fire(i: int, f) -> None:
-        if f.target == "trainer":
-            strike(f, _TrainerTargets(run.trainer), faults, time.monotonic() - t0)
+        if f.target in ("trainer", "queue"):
+            strike(f, _DriverTargets(run.trainer, rollout), faults, time.monotonic() - t0)
         else:
             ray.get(rollout.inject.remote(i), timeout=control_s)
         share()
 
+    async def rollout_lost() -> bool:
+        try:
+            await _timed(rollout.pid.remote(), control_s, "rollouter", "pid")
+            return False
+        except died:
+            return True
+        except CallTimeout:
+            return False
+
     async def train(resync: bool) -> None:
         # A resumed run finishes the sync its checkpoint was taken in; a restarted trainer resyncs.
-        await run.trainer.run.remote(resync, None if resync or point is None else point.sync)
+        try:
+            await run.trainer.run.remote(resync, None if resync or point is None else point.sync)
+        except died as exc:
+            # The trainer's call into a dead rollout actor: its error, not its death.
+            if isinstance(exc, ray.exceptions.RayTaskError) and await rollout_lost():
+                raise _RolloutLost("the rollout actor died") from None
+            raise
 
     async def restart() -> None:
         run.restarting = True  # a trainer being wired answers no progress, and no fault strikes it
@@ -1047,6 +1107,8 @@ async def _watch(
                 training.result()
                 break
             if rolling in done:
+                if await rollout_lost():
+                    raise _RolloutLost("the rollout actor died")
                 rolling.result()
                 raise RuntimeError("the rollouter stopped before the trainer finished")
             if run.restarting:
@@ -1057,14 +1119,20 @@ async def _watch(
                     faults.recovered("trainer", resynced - run.off_trainer - t0)
                     share()
                 tell(told)
+                if told and any(r.target == "queue" and r.recovered_s is None for r in faults.records):
+                    faults.recovered("queue", told[0].at_s - run.off_trainer - t0, ("kill",))  # training again
+                    share()
                 evals.poll(run.trainer, version, time.monotonic() - t0)
             except died:
                 pass  # the trainer is being restarted
             injector.poll(step, time.monotonic() - t0)
     except BaseException as exc:
+        lost = isinstance(exc, died) and await rollout_lost()  # a call into it from here
         for task in (rolling, training):
             task.cancel()
         await asyncio.gather(rolling, training, return_exceptions=True)
+        if lost:
+            raise _RolloutLost("the rollout actor died") from None
         if isinstance(exc, RunStopped):  # raised in the trainer actor: its own message, not Ray's traceback
             raise RunStopped(str(getattr(exc, "cause", exc))) from None
         raise
@@ -1116,17 +1184,18 @@ async def _await(ref: Any) -> Any:
     return await ref
 
 
-class _TrainerTargets:
-    """The driver's side of a fault: it kills the trainer actor (Ray restarts it)."""
+class _DriverTargets:
+    """The driver's side of a fault: it kills the trainer actor (Ray restarts it), or the
+    rollout actor that holds the queue (the run goes back to its last whole checkpoint)."""
 
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
+    def __init__(self, trainer: Any, rollout: Any) -> None:
+        self.trainer, self.rollout = trainer, rollout
 
     def kill_trainer(self) -> None:
         _ray().kill(self.trainer, no_restart=False)
 
     def kill_queue(self) -> None:
-        raise ValueError("the queue is not killed alone on the ray runtime (it lives in the rollout actor)")
+        _ray().kill(self.rollout, no_restart=True)
 
     def kill_worker(self, worker: int) -> None:
         raise ValueError("a rollout worker's fault is fired in the rollout actor")
