@@ -759,8 +759,12 @@ class _Actors:
 
     def note_nodes(self, timeout_s: float) -> dict[str, str]:
         """Where each component runs now (asked of the actors themselves), added to ``nodes``."""
-        named = self.named()
-        now = dict(zip((n for n, _ in named), _ray().get([h.node.remote() for _, h in named], timeout=timeout_s)))
+        ray, now = _ray(), {}
+        for name, h in self.named():
+            try:
+                now[name] = ray.get(h.node.remote(), timeout=timeout_s)
+            except _died():  # being restarted: where it comes back is seen next time
+                continue
         for name, node in now.items():
             seen = self.nodes.setdefault(name, [])
             if not seen or seen[-1] != node:
@@ -1008,14 +1012,16 @@ class _TrainerTargets:
         run, control_s = self.run, self.sc.timeouts.control_s
         where = run.note_nodes(control_s)
         name = "trainer" if of == "trainer" else f"engine{worker:03d}"
-        node = where[name]
+        node = where.get(name)
+        if node is None:
+            raise RuntimeError(f"{name} is being restarted: its node is not known; fix: fire the node fault at another step")
         if node == where["rollouter"]:
             raise RuntimeError(
                 f"the node of {name} ({node}) is the driver's, where the rollout actor lives: losing it ends the run; "
                 "fix: ray.placement_strategy STRICT_SPREAD, or a head node without CPUs for the bundles"
             )
-        lost = [i for i in range(len(run.engines)) if where[f"engine{i:03d}"] == node]
-        trainer_lost = any(where[n] == node for n, _ in run.named() if n.startswith("trainer"))
+        lost = [i for i in range(len(run.engines)) if where.get(f"engine{i:03d}") == node]
+        trainer_lost = any(where.get(n) == node for n, _ in run.named() if n.startswith("trainer"))
         target = f"node_of_{worker_key(worker) if of == 'rollout_worker' else of}"
         self.lost_nodes[target] = [worker_key(i) for i in lost] + (["trainer"] if trainer_lost else [])
         log.warning("taking node %s down: %s", node, ", ".join(self.lost_nodes[target]) or "nothing of this run")

@@ -16,6 +16,7 @@ actor there; a node that has neither fails with one error naming it, the path an
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -54,11 +55,37 @@ def on_node(node: str) -> Any:
     return NodeAffinitySchedulingStrategy(node_id=node, soft=False)
 
 
+def _descendants(root: int) -> list[int]:
+    """Every process below ``root`` (from /proc): a node's workers and what they started."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue  # gone meanwhile
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 def _kill_own_raylet() -> None:
-    """In a task on the node to take down: kill the node's raylet, and so its whole node."""
-    pid = int(os.environ.get("RAY_RAYLET_PID") or os.getppid())
-    log.warning("taking this node down: SIGKILL to its raylet (pid %d)", pid)
-    os.kill(pid, signal.SIGKILL)
+    """In a task on the node to take down: SIGKILL its raylet and every process under it (its
+    workers and theirs, this one last), as a host that goes away takes them all at once. A
+    worker left alive would hold its peers in a collective until their timeout."""
+    raylet = int(os.environ.get("RAY_RAYLET_PID") or os.getppid())
+    log.warning("taking this node down: SIGKILL to its raylet (pid %d) and its processes", raylet)
+    me = os.getpid()
+    for pid in [raylet, *_descendants(raylet)]:
+        if pid != me:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    os.kill(me, signal.SIGKILL)
 
 
 def kill_node(node: str) -> None:
