@@ -8,6 +8,7 @@ rewards. What they check is what the sim's invariant tests check, on real clocks
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -317,3 +318,47 @@ def test_local_run_stopped_and_resumed_accounts_for_every_sample(tiny_model_dir,
     system = run_mode(sc, "partial", run_dir=tmp_path, resume=True)
     assert_recovered_run(system)
     assert [i["trainings"] for i in system.trainer.step_info] == [32 * k for k in range(1, 7)]
+
+
+def test_harness_joins_a_running_cluster(ray_cluster, tiny_model_dir, tmp_path):
+    """As a user would: scenarios/real-cpu-cluster.yaml run by the harness in its own process,
+    joining the session's cluster through ray.address (the code goes with it as py_modules)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    sets = {
+        "ray.address": ray_cluster.address, "tiny_model.path": str(tiny_model_dir), "tiny_model.layers": 2,
+        "tiny_model.intermediate": 256, "modes": "[async]", "trainer.steps": 2, "trainer.batch_size": 32,
+        "workload.max_response_len": 48,
+    }
+    argv = [sys.executable, "-m", "harness.run", "scenarios/real-cpu-cluster.yaml", "--out", str(out), "--no-plots"]
+    for k, v in sets.items():
+        argv += ["--set", f"{k}={v}"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "async" / "report.json").read_text())
+    assert report["metrics"]["samples/lost"] == 0 and report["metrics"]["samples/trained"] == 64
+    assert set(report["series"]["nodes"]) == {"engine000", "rollouter", "trainer"}
+
+
+def test_model_dir_a_node_cannot_see_is_shipped_once_or_refused(ray_session, tiny_model_dir, tmp_path):
+    """On a worker node, a model path that node does not see: the driver's copy, shipped through
+    the object store, is unpacked once into a stamped cache directory and reused; with none
+    shipped, one error names the node, the path and the fix."""
+    from core.model.owned import is_owned
+    from core.runtimes.ray_cluster import MODEL_CACHE_KIND, local_model_dir, pack_model
+
+    missing = str(tmp_path / "only-on-the-driver")  # no node sees it
+    shipped = [ray_session.put(pack_model(str(tiny_model_dir)))]
+    cache = {"env_vars": {"ASYNCRL_MODEL_CACHE": str(tmp_path / "cache")}}
+    resolve = ray_session.remote(local_model_dir).options(num_cpus=0, runtime_env=cache, resources={"asyncrl_node_w1": 0.01})
+    first = ray_session.get(resolve.remote(missing, shipped))
+    again = ray_session.get(resolve.remote(missing, shipped))
+    assert first == again != missing  # unpacked once, then reused
+    assert is_owned(Path(first).parent, MODEL_CACHE_KIND)
+    assert (Path(first) / "model.safetensors").read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()
+    assert ray_session.get(resolve.remote(str(tiny_model_dir), shipped)) == str(tiny_model_dir)  # a path it sees: as is
+    with pytest.raises(ray_session.exceptions.RayTaskError, match="only-on-the-driver is not there and none was shipped; fix"):
+        ray_session.get(resolve.remote(missing, []))

@@ -32,6 +32,7 @@ import logging
 import os
 import tempfile
 import time
+from pathlib import Path
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -56,7 +57,7 @@ from core.runtimes.local import ProcessesFn
 from core.real.hf_model import model_dtype
 from core.runtimes.broadcast_transfer import BroadcastTransfer
 from core.runtimes.object_store_transfer import ObjectStoreTransfer
-from core.runtimes.ray_cluster import kill_node, node_id, on_node
+from core.runtimes.ray_cluster import code_env, kill_node, node_id, on_node
 from core.runtimes.run_checkpoint import checkpoint_dir, restore_trainer_side, save_trainer_side
 from core.runtimes.supervision import FaultInjector, strike, supervise_trainer
 from core.runtimes.trainer_ranks import RankedBackend, TrainerRankHost
@@ -97,7 +98,8 @@ def start_cluster(address: Optional[str], num_cpus: Optional[int]) -> bool:
         return False
     env = {"env_vars": dict(ENV_VARS)}
     if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=False)
+        # Joining a cluster: its other nodes have no copy of this code, so it goes with the job.
+        ray.init(address=address, runtime_env={**env, **code_env(Path(__file__).resolve().parents[2])}, log_to_driver=False)
     else:
         ray.init(
             num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, runtime_env=env,

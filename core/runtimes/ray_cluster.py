@@ -17,6 +17,7 @@ actor there; a node that has neither fails with one error naming it, the path an
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -129,11 +130,18 @@ def local_model_dir(path: str, shipped: Optional[list] = None) -> str:
     if not shipped:
         raise FileNotFoundError(
             f"node {_node_or_host()}: the model directory {path} is not there and none was shipped; "
-            "fix: put it at that path on every node (shared storage), or leave ray.ship_model on auto"
+            "fix: put it at that path on every node (shared storage, or a copy), or ship it (pack_model)"
         )
     pack = shipped[0] if isinstance(shipped[0], dict) else _ray().get(shipped[0])
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
+    # The actors of one node resolve it at once: one unpacks, the others wait and reuse it.
+    with open(root / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _cached(root, pack)
+
+
+def _cached(root: Path, pack: dict) -> str:
     for entry in root.iterdir():
         model = entry / "model"
         if entry.name.startswith(pack["digest"]) and is_owned(entry, MODEL_CACHE_KIND) and (model / ".complete").is_file():
