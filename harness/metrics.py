@@ -373,4 +373,6 @@ def series(result: RunResult) -> dict[str, list]:
         out["eval"] = list(result.evaluations)
     if result.faults.records:
         out["faults"] = result.faults.state()
+    if result.nodes:
+        out["nodes"] = dict(result.nodes)
     return out

@@ -17,25 +17,70 @@ settings.register_profile("ci", parent=settings.get_profile("asyncrl"), derandom
 settings.load_profile("ci" if os.environ.get("CI") else "asyncrl")
 
 
+# The session's test cluster: a head node (the driver, the rollout actor) and two worker nodes,
+# each with a custom resource naming it. The head has no logical CPUs, so every bundle lands on a
+# worker node and losing one never takes the driver's down; three each, so every existing ray test
+# fits (the machine has 2 real cores: logical ones only reserve) and a lost node's bundles have
+# room on the other. A lost node is declared dead after 3 missed 0.5 s health checks (Ray: ~30 s).
+NODES = ("head", "w1", "w2")
+WORKER_CPUS = 3
+HEALTH_CHECKS = {
+    "health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
+    "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3,
+}
+
+
+def node_resource(name: str) -> str:
+    """The custom resource that names a node of the test cluster."""
+    return f"asyncrl_node_{name}"
+
+
 @pytest.fixture(scope="session")
-def ray_session():
-    """One Ray instance for the whole test session (starting one costs seconds and memory);
-    the ray runtime reuses an instance already connected instead of starting its own."""
+def ray_cluster():
+    """One multi-node Ray test cluster for the whole test session (``ray.cluster_utils.Cluster``:
+    several raylets on this machine; starting one costs seconds and memory), the driver connected
+    to its head. The ray runtime reuses an instance already connected instead of starting its own."""
     import ray
+    from ray.cluster_utils import Cluster
 
     from core.runtimes.ray import ENV_VARS, LOCAL_SYSTEM_CONFIG
 
     for k, v in ENV_VARS.items():
         os.environ.setdefault(k, v)
-    ray.init(
-        num_cpus=2, include_dashboard=False, runtime_env={"env_vars": dict(ENV_VARS)},
-        log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG,
-    )
-    yield ray
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "resources": {node_resource("head"): 1}, "include_dashboard": False,
+        "_system_config": {**LOCAL_SYSTEM_CONFIG, **HEALTH_CHECKS},
+    })
+    for name in NODES[1:]:
+        cluster.add_node(num_cpus=WORKER_CPUS, resources={node_resource(name): 1})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, runtime_env={"env_vars": dict(ENV_VARS)}, log_to_driver=False)
+    yield cluster
     from ray import serve
 
     serve.shutdown()
     ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture
+def spare_node(ray_cluster):
+    """A worker node added for one test, as an autoscaler would: room for what a node that the
+    test takes down ran (the session's cluster keeps its size)."""
+    n = len(ray_cluster.worker_nodes)
+    node = ray_cluster.add_node(num_cpus=WORKER_CPUS, resources={node_resource(f"spare{n}"): 1})
+    ray_cluster.wait_for_nodes()
+    yield node
+    for lost in [w for w in ray_cluster.worker_nodes if not w.remaining_processes_alive()]:
+        ray_cluster.remove_node(lost, allow_graceful=False)  # the one the test took down
+
+
+@pytest.fixture(scope="session")
+def ray_session(ray_cluster):
+    """Ray, connected to the session's test cluster."""
+    import ray
+
+    return ray
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ rewards. What they check is what the sim's invariant tests check, on real clocks
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -61,13 +62,29 @@ def test_local_runtime_torch_engine(mode, tiny_model_dir):
     assert [i["trainings"] for i in system.trainer.step_info] == [32, 64, 96]
 
 
+def ran_on(system) -> dict:
+    """Where each component ran (node ids, asked of the actors), and the driver's node."""
+    import ray
+
+    return system.nodes, ray.get_runtime_context().get_node_id()
+
+
 def test_ray_runtime_all_modes_on_vllm(ray_session, tiny_model_dir):
-    """The short real-cpu-vllm run inside the suite: all three modes, Ray shared."""
-    sc = small("scenarios/real-cpu-vllm.yaml", tiny_model_dir)
+    """The short real-cpu-vllm run inside the suite: every mode, across the test cluster's
+    nodes: STRICT_SPREAD puts each bundle (engine, trainer) on a node of its own; the rollout
+    actor stays on the driver's."""
+    sc = small("scenarios/real-cpu-vllm.yaml", tiny_model_dir, **{"ray.placement_strategy": "STRICT_SPREAD"})
     out = {}
     for mode in sc.modes:
         system = run_mode(sc, mode)
         out[mode] = assert_accounted(system)
+        nodes, driver = ran_on(system)
+        assert nodes["rollouter"] == [driver]
+        assert all(len(seen) == 1 for seen in nodes.values())  # nothing moved
+        engines = [nodes[n][0] for n in nodes if n.startswith("engine")]
+        assert len(set(engines) | {driver}) == len(engines) + 1, nodes
+        # sync colocates the trainer with engine 0 on its bundle; otherwise it has its own
+        assert (nodes["trainer"][0] == engines[0]) if system.placement.colocated else (nodes["trainer"][0] not in {*engines, driver}), nodes
         spans = system.timeline.spans
         assert spans["trainer"] and spans["engine000"]  # engine spans came back from the actor
         assert all(0 <= a <= b <= system.end_s + 5 for rows in spans.values() for _, a, b in rows)
@@ -124,8 +141,13 @@ def test_serve_reward_matches_in_process(ray_session, tiny_model_dir):
 
 
 def test_reward_served_in_a_run(ray_session, tiny_model_dir):
-    sc = small("scenarios/real-cpu-vllm.yaml", tiny_model_dir, **{"reward.serve": True, "trainer.steps": 2})
-    assert_accounted(run_mode(sc, "async"))
+    """... with STRICT_PACK: engine and trainer on one node (not the driver's, which has no CPUs)."""
+    sc = small("scenarios/real-cpu-vllm.yaml", tiny_model_dir, **{"reward.serve": True, "trainer.steps": 2, "ray.placement_strategy": "STRICT_PACK"})
+    system = run_mode(sc, "async")
+    assert_accounted(system)
+    nodes, driver = ran_on(system)
+    assert nodes["rollouter"] == [driver]
+    assert nodes["engine000"] == nodes["trainer"] != [driver], nodes
 
 
 def test_weights_are_put_once_per_version(ray_session):
@@ -173,6 +195,7 @@ def test_profile_writes_flame_graphs_for_driver_and_actors(ray_session, tiny_mod
         ({"runtime": "local", "engine.kind": "torch", "workload.max_response_len": 4096}, "workload.max_response_len"),
         ({"runtime": "local", "engine.kind": "torch", "workload.max_response_len": 64, "reward.serve": True}, "reward.serve"),
         ({"task.max_letters": 9}, "task.max_letters"),
+        ({"checkpoint.every": 1, "faults": [{"kind": "kill", "target": "node", "at_step": 1}]}, "faults.0.target"),  # nodes are Ray's
     ],
 )
 def test_real_runtime_settings_are_checked(changes, key):
@@ -226,6 +249,31 @@ def test_ray_kills_of_a_rollout_worker_and_the_trainer_lose_nothing(ray_session,
     assert all(r.recovered_s > r.at_s for r in system.faults.records)
 
 
+@pytest.mark.parametrize(("mode", "strategy", "of"), [("async", "STRICT_SPREAD", "rollout_worker"), ("partial", "PACK", "trainer")])
+def test_ray_node_lost_mid_run_loses_nothing(ray_session, spare_node, tiny_model_dir, mode, strategy, of):
+    """A node taken down mid-run (its raylet killed, as a preempted host): every actor on it dies
+    at once, Ray restarts them on another node (the spare one, as an autoscaler would add), and
+    the run goes on. STRICT_SPREAD: the engine's node alone; PACK: engine and trainer together."""
+    sc = small(
+        "scenarios/real-cpu-vllm.yaml", tiny_model_dir,
+        **{
+            "trainer.steps": 4, "checkpoint.every": 1, "ray.poll_s": 0.1, "ray.placement_strategy": strategy,
+            "faults": [{"kind": "kill", "target": "node", "node_of": of, "at_step": 1}],
+        },
+    )
+    system = run_mode(sc, mode)
+    assert_recovered_run(system)
+    recs = {r.target: r for r in system.faults.records}
+    node = recs[f"node_of_{'rollout_worker0' if of == 'rollout_worker' else 'trainer'}"]
+    assert node.recovered_s is not None and node.recovered_s > node.at_s
+    lost = {"rollout_worker0"} | ({"trainer"} if strategy == "PACK" else set())
+    assert set(recs) == lost | {node.target} and all(r.recovered_s is not None for r in recs.values())
+    nodes, driver = ran_on(system)
+    moved = ["engine000"] + (["trainer"] if strategy == "PACK" else [])
+    assert all(len(nodes[n]) == 2 and driver not in nodes[n] for n in moved), nodes  # restarted on another node
+    assert nodes["rollouter"] == [driver]
+
+
 def test_ray_hung_and_slow_workers_time_out_and_recover(ray_session, tiny_model_dir):
     """A generate that never answers is given up on after timeouts.generate_s, the worker is
     killed and restarted; a slowed worker only costs time."""
@@ -270,3 +318,47 @@ def test_local_run_stopped_and_resumed_accounts_for_every_sample(tiny_model_dir,
     system = run_mode(sc, "partial", run_dir=tmp_path, resume=True)
     assert_recovered_run(system)
     assert [i["trainings"] for i in system.trainer.step_info] == [32 * k for k in range(1, 7)]
+
+
+def test_harness_joins_a_running_cluster(ray_cluster, tiny_model_dir, tmp_path):
+    """As a user would: scenarios/real-cpu-cluster.yaml run by the harness in its own process,
+    joining the session's cluster through ray.address (the code goes with it as py_modules)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    sets = {
+        "ray.address": ray_cluster.address, "tiny_model.path": str(tiny_model_dir), "tiny_model.layers": 2,
+        "tiny_model.intermediate": 256, "modes": "[async]", "trainer.steps": 2, "trainer.batch_size": 32,
+        "workload.max_response_len": 48,
+    }
+    argv = [sys.executable, "-m", "harness.run", "scenarios/real-cpu-cluster.yaml", "--out", str(out), "--no-plots"]
+    for k, v in sets.items():
+        argv += ["--set", f"{k}={v}"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "async" / "report.json").read_text())
+    assert report["metrics"]["samples/lost"] == 0 and report["metrics"]["samples/trained"] == 64
+    assert set(report["series"]["nodes"]) == {"engine000", "rollouter", "trainer"}
+
+
+def test_model_dir_a_node_cannot_see_is_shipped_once_or_refused(ray_session, tiny_model_dir, tmp_path):
+    """On a worker node, a model path that node does not see: the driver's copy, shipped through
+    the object store, is unpacked once into a stamped cache directory and reused; with none
+    shipped, one error names the node, the path and the fix."""
+    from core.model.owned import is_owned
+    from core.runtimes.ray_cluster import MODEL_CACHE_KIND, local_model_dir, pack_model
+
+    missing = str(tmp_path / "only-on-the-driver")  # no node sees it
+    shipped = [ray_session.put(pack_model(str(tiny_model_dir)))]
+    cache = {"env_vars": {"ASYNCRL_MODEL_CACHE": str(tmp_path / "cache")}}
+    resolve = ray_session.remote(local_model_dir).options(num_cpus=0, runtime_env=cache, resources={"asyncrl_node_w1": 0.01})
+    first = ray_session.get(resolve.remote(missing, shipped))
+    again = ray_session.get(resolve.remote(missing, shipped))
+    assert first == again != missing  # unpacked once, then reused
+    assert is_owned(Path(first).parent, MODEL_CACHE_KIND)
+    assert (Path(first) / "model.safetensors").read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()
+    assert ray_session.get(resolve.remote(str(tiny_model_dir), shipped)) == str(tiny_model_dir)  # a path it sees: as is
+    with pytest.raises(ray_session.exceptions.RayTaskError, match="only-on-the-driver is not there and none was shipped; fix"):
+        ray_session.get(resolve.remote(missing, []))

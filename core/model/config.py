@@ -643,17 +643,21 @@ class FaultSpec(_Frozen):
 
     ``kill`` ends a component's process: a rollout worker (engine), the queue (on ray, the
     rollout actor that holds it: the run goes back to its last whole checkpoint), or the
-    trainer; ``slow`` makes a rollout worker ``factor`` times slower for ``duration_s``;
+    trainer; or, on the ray runtime, a whole node (``node_of`` names it by what runs there), as
+    a preempted host goes: every actor on it dies at once and Ray restarts them elsewhere;
+    ``slow`` makes a rollout worker ``factor`` times slower for ``duration_s``;
     ``hang`` makes the worker's next ``call`` never answer, until its timeout gives up on it.
     Read by: operations, on the sim and ray runtimes.
     """
 
     kind: Literal["kill", "slow", "hang"]
     """What happens: kill, slow or hang."""
-    target: Literal["rollout_worker", "queue", "trainer"] = "rollout_worker"
-    """Which component: kill takes any; slow and hang act on a rollout worker."""
+    target: Literal["rollout_worker", "queue", "trainer", "node"] = "rollout_worker"
+    """Which component: kill takes any (``node``: the ray runtime's node that ``node_of`` names); slow and hang act on a rollout worker."""
     worker: int = Field(0, ge=0, le=MAX_DEVICES)
     """Which rollout worker (engine index, from 0)."""
+    node_of: Literal["rollout_worker", "trainer"] = "rollout_worker"
+    """target node: the node that runs this component (rollout worker ``worker``, or the trainer's rank 0) when the fault fires."""
     at_s: Optional[float] = Field(None, ge=0)
     """When, in seconds from the start of the run (simulated seconds on the sim runtime)."""
     at_step: Optional[int] = Field(None, ge=1, le=MAX_STEPS)
@@ -993,11 +997,17 @@ class Scenario(_Frozen):
                 raise ConfigError(f"{key}.at_step", f.at_step, f"the run ends at trainer.steps = {self.trainer.steps}", f"use at most {self.trainer.steps - 1}")
             if f.kind != "kill" and f.target != "rollout_worker":
                 raise ConfigError(f"{key}.target", f.target, f"a {f.kind} fault acts on a rollout worker", "set target: rollout_worker")
-            if f.target == "rollout_worker" and f.worker >= engines:
-                raise ConfigError(f"{key}.worker", f.worker, f"there are {engines} rollout workers in the smallest mode", f"use 0 to {engines - 1}")
-            if f.kind == "kill" and f.target == "trainer" and not self.checkpoint.every:
+            if f.target == "node" and self.runtime != "ray":
                 raise ConfigError(
-                    "checkpoint.every", 0, f"{key} kills the trainer, which restarts from its last checkpoint",
+                    f"{key}.target", "node", f"a node is a host of a Ray cluster; the {self.runtime} runtime has one process",
+                    "set runtime: ray, or target a rollout_worker or the trainer",
+                )
+            if (f.target == "rollout_worker" or (f.target == "node" and f.node_of == "rollout_worker")) and f.worker >= engines:
+                raise ConfigError(f"{key}.worker", f.worker, f"there are {engines} rollout workers in the smallest mode", f"use 0 to {engines - 1}")
+            if f.kind == "kill" and f.target in ("trainer", "node") and not self.checkpoint.every:
+                what = "the trainer" if f.target == "trainer" else "a node, which may run the trainer"
+                raise ConfigError(
+                    "checkpoint.every", 0, f"{key} kills {what}, which restarts from its last checkpoint",
                     "set checkpoint.every: 1 (a checkpoint at every weight sync)",
                 )
             if f.kind == "kill" and f.target == "queue" and self.runtime == "ray" and not self.checkpoint.every:
@@ -1014,7 +1024,8 @@ class Scenario(_Frozen):
         kills: dict[str, int] = {}
         for f in self.faults:
             if f.kind == "kill" and (f.target != "queue" or self.runtime == "ray"):
-                name = {"rollout_worker": f"rollout worker {f.worker}", "trainer": "the trainer", "queue": "the rollout actor"}[f.target]
+                on = f.node_of if f.target == "node" else f.target
+                name = {"rollout_worker": f"rollout worker {f.worker}", "trainer": "the trainer", "queue": "the rollout actor"}[on]
                 kills[name] = kills.get(name, 0) + 1
         most = max(kills.items(), key=lambda kv: kv[1], default=None)
         if most is not None and most[1] > self.recovery.max_restarts:

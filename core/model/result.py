@@ -78,3 +78,4 @@ class RunResult:
     wall_s: float = 0.0
     evaluations: list = field(default_factory=list)  # held-out scores per version (real runtimes)
     clock_offsets_s: dict = field(default_factory=dict)  # per process, what its times were shifted by
+    nodes: dict = field(default_factory=dict)  # ray: per component, the node ids it ran on (start, then any after a restart)

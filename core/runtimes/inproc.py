@@ -47,6 +47,9 @@ class InProcTargets:
         # Its supervisor sees the process die at once (an idle worker too), and restarts it.
         self.system.rollouter.worker_lost(worker, WorkerLost(engine.name, "process", "killed"))
 
+    def kill_node(self, of: str, worker: int) -> None:
+        raise ValueError("a node is a host of a Ray cluster: node faults need the ray runtime")
+
     def slow_worker(self, worker: int, factor: float, duration_s: float) -> None:
         self.system.engines[worker].set_slowdown(factor)
         self.end_slowdown(worker, asyncio.get_running_loop().time() + duration_s)

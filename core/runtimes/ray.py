@@ -36,6 +36,7 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Optional
 
 from core.api import Batch, PauseMode, RunStopped
@@ -62,6 +63,7 @@ from core.runtimes.object_store_transfer import ObjectStoreTransfer
 from core.runtimes.ray_checkpoint import (
     RayResume, discard_after, load_ray_run, load_rollout_side, save_rollout_side, shifted_records, shifted_spans, shifted_steps,
 )
+from core.runtimes.ray_cluster import code_env, kill_node, node_id, on_node
 from core.runtimes.run_checkpoint import FORMAT, checkpoint_dir, due, restore_trainer_side, save_trainer_side, scenario_digest
 from core.runtimes.supervision import FaultInjector, strike, supervise_trainer
 from core.runtimes.trainer_ranks import RankedBackend, TrainerRankHost
@@ -102,7 +104,8 @@ def start_cluster(address: Optional[str], num_cpus: Optional[int]) -> bool:
         return False
     env = {"env_vars": dict(ENV_VARS)}
     if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=False)
+        # Joining a cluster: its other nodes have no copy of this code, so it goes with the job.
+        ray.init(address=address, runtime_env={**env, **code_env(Path(__file__).resolve().parents[2])}, log_to_driver=False)
     else:
         ray.init(
             num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, runtime_env=env,
@@ -247,6 +250,9 @@ class EngineHost:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def node(self) -> str:
+        return node_id()
 
 
 class EngineProxy:
@@ -505,6 +511,16 @@ class RolloutHost:
         strike(self.sc.faults[i], targets, self.faults, asyncio.get_running_loop().time())
         await asyncio.gather(*targets.calls)
 
+    def node_lost(self, workers: list[int]) -> None:
+        """These workers' node is being taken down (the driver does it): each is a kill of its
+        own, restarted (elsewhere) as one."""
+        now = asyncio.get_running_loop().time()
+        for i in workers:
+            proxy = self.engines[i]
+            self.faults.injected("kill", worker_key(i), now)
+            proxy.dead = True  # its process goes with the node: nothing to kill, only to wait for
+            self.rollouter.worker_lost(i, WorkerLost(proxy.name, "node", "its node was lost"))
+
     async def pause(self, mode: str) -> None:
         await self.rollouter.pause(mode)
 
@@ -544,6 +560,9 @@ class RolloutHost:
     def pid(self) -> int:
         return os.getpid()
 
+    def node(self) -> str:
+        return node_id()
+
 
 class _WorkerTargets:
     """What a fault does to a rollout worker from the rollout actor, which holds the proxies.
@@ -573,6 +592,9 @@ class _WorkerTargets:
 
     def kill_trainer(self) -> None:
         raise ValueError("the driver kills the trainer actor, not the rollout actor")
+
+    def kill_node(self, of: str, worker: int) -> None:
+        raise ValueError("the driver takes a node down, not the rollout actor")
 
 
 async def _timed(ref: Any, seconds: float, component: str, call: str) -> Any:
@@ -775,6 +797,9 @@ class TrainerHost:
     def pid(self) -> int:
         return os.getpid()
 
+    def node(self) -> str:
+        return node_id()
+
 
 def _transfer(sc: Scenario, backend: Any) -> Any:
     """The scenario's weight transport. A broadcast group is served from this process, on a
@@ -928,6 +953,26 @@ class _Actors:
     peer_pids: list
     restarting: bool = False
     t0: float = 0.0  # the driver's clock at run time 0
+    engines: list = field(default_factory=list)  # engine actors, in worker order
+    nodes: dict = field(default_factory=dict)  # component -> node ids it has run on, in order
+
+    def named(self) -> list[tuple[str, Any]]:
+        return ([(f"engine{i:03d}", h) for i, h in enumerate(self.engines)] + [("rollouter", self.rollout), ("trainer", self.trainer)]
+                + [(f"trainer_rank{r + 1}", p) for r, p in enumerate(self.peers)])
+
+    def note_nodes(self, timeout_s: float) -> dict[str, str]:
+        """Where each component runs now (asked of the actors themselves), added to ``nodes``."""
+        ray, now = _ray(), {}
+        for name, h in self.named():
+            try:
+                now[name] = ray.get(h.node.remote(), timeout=timeout_s)
+            except _died():  # being restarted: where it comes back is seen next time
+                continue
+        for name, node in now.items():
+            seen = self.nodes.setdefault(name, [])
+            if not seen or seen[-1] != node:
+                seen.append(node)
+        return now
 
 
 def _run_ray(
@@ -976,8 +1021,11 @@ def _run_ray(
                 reward_handle = deploy_reward(sc)
                 serve_started = True
             c = sc.ray.controller
-            # The rollout actor holds the queue and the producer's ledger: when it dies, run_ray brings the whole run back.
-            rollout = ray.remote(RolloutHost).options(num_cpus=c.num_cpus, num_gpus=c.num_gpus, max_concurrency=c.max_concurrency).remote(sc, mode, run_dir)
+            # The rollout actor holds the queue and the producer's ledger: when it dies, run_ray
+            # brings the whole run back. It stays on the driver's node, which a run cannot lose and go on.
+            rollout = ray.remote(RolloutHost).options(
+                num_cpus=c.num_cpus, num_gpus=c.num_gpus, max_concurrency=c.max_concurrency, scheduling_strategy=on_node(node_id()),
+            ).remote(sc, mode, run_dir)
             actors.append(rollout)
             off_rollout = _offset(rollout)
             ray.get(rollout.connect.remote(
@@ -1007,7 +1055,9 @@ def _run_ray(
                 on_processes(list(zip(names, engine_pids + pids + [trainer_pid] + peer_pids)))
             run = _Actors(
                 rollout, trainer, off_rollout, off_trainer, trainer_pid, {n: off for (n, _), off in zip(engines, off_engines)}, peers, peer_pids,
+                engines=[h for _, h in engines],
             )
+            run.note_nodes(control_s)
             return asyncio.run(_watch(sc, mode, place, run, on_step, point, carried or _Carried()))
         finally:
             for a in actors:
@@ -1058,9 +1108,11 @@ async def _watch(
 
     share()
 
+    lost_nodes: dict[str, list[str]] = {}  # a node fault's record -> the records of what ran there
+
     def fire(i: int, f) -> None:
-        if f.target in ("trainer", "queue"):
-            strike(f, _DriverTargets(run.trainer, rollout), faults, time.monotonic() - t0)
+        if f.target in ("trainer", "queue", "node"):
+            strike(f, _DriverTargets(run, sc, faults, lost_nodes, time.monotonic() - t0), faults, time.monotonic() - t0)
         else:
             ray.get(rollout.inject.remote(i), timeout=control_s)
         share()
@@ -1138,6 +1190,7 @@ async def _watch(
         raise
     tell(ray.get(run.trainer.progress.remote(), timeout=control_s)[3])  # the steps since the last poll
     trained = ray.get(run.trainer.finish.remote(), timeout=control_s)
+    run.note_nodes(control_s)
     rolled = ray.get(rollout.stop.remote(), timeout=sc.timeouts.generate_s)
     evals.finish(time.monotonic() - t0)
     await _timed(rolling, control_s, "rollouter", "run")  # a rollouter that failed after the trainer finished fails the run
@@ -1160,6 +1213,7 @@ async def _watch(
         rec.recovered_s = None if rec.recovered_s is None else rec.recovered_s + dt_r
         faults.records.append(rec)
     faults.records.sort(key=lambda r: r.at_s)
+    _node_recoveries(faults, lost_nodes)
     return RunResult(
         scenario=sc,
         mode=mode,
@@ -1177,7 +1231,23 @@ async def _watch(
         wall_s=wall_s,
         evaluations=evals.results,
         clock_offsets_s={"rollouter": run.off_rollout, "trainer": run.off_trainer, **run.off_engines},
+        nodes=run.nodes,
     )
+
+
+def _node_recoveries(faults: FaultLog, lost_nodes: dict[str, list[str]]) -> None:
+    """A lost node is recovered when everything that ran on it is: its record closes with the
+    last of theirs (the first record of each after the node's), or stays open with any of them."""
+    for rec in faults.records:
+        parts = lost_nodes.get(rec.target)
+        if parts is None or rec.recovered_s is not None:
+            continue
+        ends = []
+        for part in parts:
+            after = [r for r in faults.records if r.target == part and r.kind == "kill" and r.at_s >= rec.at_s - 1.0]
+            ends.append(after[0].recovered_s if after else None)
+        if all(e is not None for e in ends):
+            rec.recovered_s = max([rec.at_s, *ends])
 
 
 async def _await(ref: Any) -> Any:
@@ -1185,14 +1255,42 @@ async def _await(ref: Any) -> Any:
 
 
 class _DriverTargets:
-    """The driver's side of a fault: it kills the trainer actor (Ray restarts it), or the
-    rollout actor that holds the queue (the run goes back to its last whole checkpoint)."""
+    """The driver's side of a fault: it kills the trainer actor (Ray restarts it), the rollout
+    actor that holds the queue (the run goes back to its last whole checkpoint), or takes a
+    node down with whatever runs there."""
 
-    def __init__(self, trainer: Any, rollout: Any) -> None:
-        self.trainer, self.rollout = trainer, rollout
+    def __init__(self, run: _Actors, sc: Scenario, faults: FaultLog, lost_nodes: dict, now: float) -> None:
+        self.run, self.sc, self.faults, self.lost_nodes, self.now = run, sc, faults, lost_nodes, now
+        self.trainer, self.rollout = run.trainer, run.rollout
 
     def kill_trainer(self) -> None:
         _ray().kill(self.trainer, no_restart=False)
+
+    def kill_node(self, of: str, worker: int) -> None:
+        """Take down the node that runs ``of`` (rollout worker ``worker``, or the trainer): its
+        engines are told lost to the rollout actor (restarted elsewhere when Ray has a place
+        for them), the trainer, if there, dies and is supervised back as after its own kill."""
+        run, control_s = self.run, self.sc.timeouts.control_s
+        where = run.note_nodes(control_s)
+        name = "trainer" if of == "trainer" else f"engine{worker:03d}"
+        node = where.get(name)
+        if node is None:
+            raise RuntimeError(f"{name} is being restarted: its node is not known; fix: fire the node fault at another step")
+        if node == where["rollouter"]:
+            raise RuntimeError(
+                f"the node of {name} ({node}) is the driver's, where the rollout actor lives: losing it ends the run; "
+                "fix: ray.placement_strategy STRICT_SPREAD, or a head node without CPUs for the bundles"
+            )
+        lost = [i for i in range(len(run.engines)) if where.get(f"engine{i:03d}") == node]
+        trainer_lost = any(where.get(n) == node for n, _ in run.named() if n.startswith("trainer"))
+        target = f"node_of_{worker_key(worker) if of == 'rollout_worker' else of}"
+        self.lost_nodes[target] = [worker_key(i) for i in lost] + (["trainer"] if trainer_lost else [])
+        log.warning("taking node %s down: %s", node, ", ".join(self.lost_nodes[target]) or "nothing of this run")
+        if trainer_lost:
+            self.faults.injected("kill", "trainer", self.now)
+        if lost:
+            _ray().get(run.rollout.node_lost.remote(lost), timeout=control_s)
+        kill_node(node)
 
     def kill_queue(self) -> None:
         _ray().kill(self.rollout, no_restart=True)

@@ -32,9 +32,13 @@ class FaultTargets(Protocol):
 
     def hang_worker(self, worker: int, call: str) -> None: ...
 
+    def kill_node(self, of: str, worker: int) -> None: ...
+
 
 def fault_target(f: FaultSpec) -> str:
     """The name a fault's records go under."""
+    if f.target == "node":
+        return f"node_of_{worker_key(f.worker) if f.node_of == 'rollout_worker' else f.node_of}"
     return worker_key(f.worker) if f.target == "rollout_worker" else f.target
 
 
@@ -45,6 +49,8 @@ def strike(f: FaultSpec, targets: FaultTargets, faults: FaultLog, now: float) ->
         targets.kill_trainer()
     elif f.target == "queue":
         targets.kill_queue()
+    elif f.target == "node":
+        targets.kill_node(f.node_of, f.worker)
     elif f.kind == "kill":
         targets.kill_worker(f.worker)
     elif f.kind == "slow":

@@ -24,6 +24,7 @@ from typing import Any
 from core.api import Batch
 from core.model.config import Scenario
 from core.real.workers import make_backend
+from core.runtimes.ray_cluster import node_id
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,9 @@ class TrainerRankHost:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def node(self) -> str:
+        return node_id()
 
 
 class RankedBackend:
