@@ -348,12 +348,13 @@ def test_model_dir_a_node_cannot_see_is_shipped_once_or_refused(ray_session, tin
     the object store, is unpacked once into a stamped cache directory and reused; with none
     shipped, one error names the node, the path and the fix."""
     from core.model.owned import is_owned
-    from core.runtimes.ray_cluster import MODEL_CACHE_KIND, local_model_dir, pack_model
+    from core.runtimes.ray_cluster import MODEL_CACHE_KIND, local_model_dir, node_scenario, pack_model
 
     missing = str(tmp_path / "only-on-the-driver")  # no node sees it
     shipped = [ray_session.put(pack_model(str(tiny_model_dir)))]
     cache = {"env_vars": {"ASYNCRL_MODEL_CACHE": str(tmp_path / "cache")}}
-    resolve = ray_session.remote(local_model_dir).options(num_cpus=0, runtime_env=cache, resources={"asyncrl_node_w1": 0.01})
+    on_w1 = {"num_cpus": 0, "runtime_env": cache, "resources": {"asyncrl_node_w1": 0.01}}
+    resolve = ray_session.remote(local_model_dir).options(**on_w1)
     first = ray_session.get(resolve.remote(missing, shipped))
     again = ray_session.get(resolve.remote(missing, shipped))
     assert first == again != missing  # unpacked once, then reused
@@ -362,3 +363,7 @@ def test_model_dir_a_node_cannot_see_is_shipped_once_or_refused(ray_session, tin
     assert ray_session.get(resolve.remote(str(tiny_model_dir), shipped)) == str(tiny_model_dir)  # a path it sees: as is
     with pytest.raises(ray_session.exceptions.RayTaskError, match="only-on-the-driver is not there and none was shipped; fix"):
         ray_session.get(resolve.remote(missing, []))
+    # What every actor of a run does with it (ray.ship_model): the same copy, the run's identity kept.
+    sc = small("scenarios/real-cpu-vllm.yaml", tiny_model_dir).with_model_dir(missing)
+    here = ray_session.get(ray_session.remote(node_scenario).options(**on_w1).remote(sc, tuple(shipped)))
+    assert here.real_model_path == first and sc.real_model_path == missing

@@ -636,6 +636,10 @@ class RaySpec(_Frozen):
     """How the placement group lays the rollout and trainer bundles on nodes."""
     poll_s: float = Field(1.0, gt=0)
     """Timeout of each ray.wait of the driver, between which it reports progress."""
+    ship_model: bool = False
+    """Send the model directory through the object store, once, to the nodes that do not see
+    its path; each such node keeps one copy in a directory asyncrl stamps. For models that fit
+    the object store; larger ones belong on storage every node mounts at the same path."""
 
 
 class FaultSpec(_Frozen):
@@ -1047,6 +1051,13 @@ class Scenario(_Frozen):
             "tiny_model": self.tiny_model.model_copy(update={"path": absolute(self.tiny_model.path)}),
             "task": t.model_copy(update={"prompts": absolute(t.prompts), "eval_prompts": absolute(t.eval_prompts)}),
         })
+
+    def with_model_dir(self, path: str) -> "Scenario":
+        """This scenario loading its model from ``path`` (a node's copy of it; a copy, not
+        validated again). Its identity (a checkpoint's digest) is the original's, not this."""
+        if self.model.path is not None:
+            return self.model_copy(update={"model": self.model.model_copy(update={"path": path})})
+        return self.model_copy(update={"tiny_model": self.tiny_model.model_copy(update={"path": path})})
 
     @property
     def real_model_path(self) -> str:

@@ -63,7 +63,7 @@ from core.runtimes.object_store_transfer import ObjectStoreTransfer
 from core.runtimes.ray_checkpoint import (
     RayResume, discard_after, load_ray_run, load_rollout_side, save_rollout_side, shifted_records, shifted_spans, shifted_steps,
 )
-from core.runtimes.ray_cluster import code_env, kill_node, node_id, on_node
+from core.runtimes.ray_cluster import code_env, kill_node, node_id, node_scenario, on_node, pack_model
 from core.runtimes.run_checkpoint import FORMAT, checkpoint_dir, due, restore_trainer_side, save_trainer_side, scenario_digest
 from core.runtimes.supervision import FaultInjector, strike, supervise_trainer
 from core.runtimes.trainer_ranks import RankedBackend, TrainerRankHost
@@ -134,7 +134,8 @@ def cluster(address: Optional[str], num_cpus: Optional[int], serve: bool = False
 class EngineHost:
     """A rollout engine in its own actor (torch or vLLM)."""
 
-    def __init__(self, sc: Scenario, name: str, threads: int, seed: int) -> None:
+    def __init__(self, sc: Scenario, name: str, threads: int, seed: int, shipped: tuple) -> None:
+        sc = node_scenario(sc, shipped)  # the model where this node has it
         self.timeline = Timeline()
         self.engine = make_engine(sc, name, threads, self.timeline, seed)
         self._slow: Optional[tuple[float, float, float]] = None  # (factor, from, until)
@@ -368,7 +369,7 @@ class RolloutHost:
         handles counts, versions, times and rewards only. Rewards are scored where the tokens
         are: in the engine actor, or by the Serve deployment from the reference."""
         sc, mode = self.sc, self.mode
-        task = make_task(sc)
+        task = make_task(sc)  # the tokenizer: this actor is on the driver's node, which sees the model
         proxies = [EngineProxy(name, h, off, pid) for name, h, off, pid in engines]
         reward = ServeReward(reward_handle, sc.timeouts.control_s) if reward_handle is not None else EngineReward()
         workers = Workers(proxies, backend=None, transfer=None, prompts=TaskPrompts(task), reward=reward)
@@ -653,17 +654,18 @@ class TrainerHost:
 
     def __init__(
         self, sc: Scenario, mode: str, rollout: Any, threads: int, run_dir: str, peers: tuple = (),
-        stop_at_step: Optional[int] = None,
+        stop_at_step: Optional[int] = None, shipped: tuple = (),
     ) -> None:
         self.sc, self.mode, self.run_dir = sc, mode, run_dir
         self.rollout = rollout
         self.stop_at_step = stop_at_step
         self.zero = 0.0  # this clock at run time 0 (checkpoints hold run times)
         self.resynced_at: Optional[float] = None
-        self.backend = make_backend(sc, threads)
+        here = node_scenario(sc, shipped)  # the model where this node has it; ``sc`` stays the run's identity
+        self.backend = make_backend(here, threads)
         if peers:
             self.backend = RankedBackend(self.backend, list(peers))
-        self.transfer = _transfer(sc, self.backend)
+        self.transfer = _transfer(here, self.backend)
         self.timeline = Timeline()
         self.ledger = Ledger(trained_bound(sc, mode), reuse=sc.replay.enabled)
         self.trainer = None
@@ -1006,11 +1008,14 @@ def _run_ray(
 
             control_s = sc.timeouts.control_s
             restarts = {"max_restarts": sc.recovery.max_restarts}  # Ray brings a killed worker back
+            # The model, for the nodes that do not see its path (each keeps one copy): passed in a
+            # tuple, so an actor resolves it only if it needs it.
+            shipped = (ray.put(pack_model(sc.real_model_path)),) if sc.ray.ship_model else ()
             engine_cls = ray.remote(EngineHost)
             engines = []
             for i in range(place.engines):
                 name = f"engine{i:03d}"
-                h = engine_cls.options(**pinned(i, sc.ray.rollout), **restarts).remote(sc, name, place.gpus_per_engine, sc.seed * 1000 + i)
+                h = engine_cls.options(**pinned(i, sc.ray.rollout), **restarts).remote(sc, name, place.gpus_per_engine, sc.seed * 1000 + i, shipped)
                 engines.append((name, h))
                 actors.append(h)
             ray.get([h.start.remote() for _, h in engines], timeout=sc.timeouts.restart_s)
@@ -1034,12 +1039,12 @@ def _run_ray(
             ranks = sc.ray.trainer_ranks
             threads = max(1, place.trainer_gpus // ranks)  # each rank its share of the trainer's devices
             peers = [
-                ray.remote(TrainerRankHost).options(**pinned(_trainer_bundle(place, r), sc.ray.trainer), **restarts).remote(sc, r, threads)
+                ray.remote(TrainerRankHost).options(**pinned(_trainer_bundle(place, r), sc.ray.trainer), **restarts).remote(sc, r, threads, shipped)
                 for r in range(1, ranks)
             ]
             actors.extend(peers)
             trainer = ray.remote(TrainerHost).options(**pinned(_trainer_bundle(place, 0), sc.ray.trainer), **restarts).remote(
-                sc, mode, rollout, threads, run_dir, tuple(peers), stop_at_step
+                sc, mode, rollout, threads, run_dir, tuple(peers), stop_at_step, shipped
             )
             actors.append(trainer)
             # Every actor here shares the host's monotonic clock unless the cluster spans nodes,

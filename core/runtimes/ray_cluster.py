@@ -25,8 +25,9 @@ import signal
 import socket
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
+from core.model.config import Scenario
 from core.model.owned import is_owned, make_owned
 
 log = logging.getLogger(__name__)
@@ -121,16 +122,16 @@ def cache_root() -> Path:
     return Path(os.environ.get("ASYNCRL_MODEL_CACHE") or Path(tempfile.gettempdir()) / f"asyncrl-models-{os.getuid()}")
 
 
-def local_model_dir(path: str, shipped: Optional[list] = None) -> str:
+def local_model_dir(path: str, shipped: tuple = ()) -> str:
     """The directory this node loads the model ``path`` from: ``path`` if this node sees it,
-    else the shipped copy (``shipped``: [a reference to ``pack_model``'s result], or []),
+    else the shipped copy (``shipped``: (a reference to ``pack_model``'s result,), or ()),
     unpacked once into a stamped directory of this node's cache."""
     if Path(path).is_dir():
         return path
     if not shipped:
         raise FileNotFoundError(
             f"node {_node_or_host()}: the model directory {path} is not there and none was shipped; "
-            "fix: put it at that path on every node (shared storage, or a copy), or ship it (pack_model)"
+            "fix: put it at that path on every node (shared storage, or a copy), or set ray.ship_model: true"
         )
     pack = shipped[0] if isinstance(shipped[0], dict) else _ray().get(shipped[0])
     root = cache_root()
@@ -139,6 +140,12 @@ def local_model_dir(path: str, shipped: Optional[list] = None) -> str:
     with open(root / ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return _cached(root, pack)
+
+
+def node_scenario(sc: Scenario, shipped: tuple) -> Scenario:
+    """``sc`` as this node runs it: loading the model from where this node has it."""
+    here = local_model_dir(sc.real_model_path, shipped)
+    return sc if here == sc.real_model_path else sc.with_model_dir(here)
 
 
 def _cached(root: Path, pack: dict) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 from core.api import Batch
 from core.model.config import Scenario
 from core.real.workers import make_backend
-from core.runtimes.ray_cluster import node_id
+from core.runtimes.ray_cluster import node_id, node_scenario
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +38,9 @@ def _ray():
 class TrainerRankHost:
     """Trainer rank ``rank`` >= 1: a backend taking part in the collectives rank 0 starts."""
 
-    def __init__(self, sc: Scenario, rank: int, threads: int) -> None:
+    def __init__(self, sc: Scenario, rank: int, threads: int, shipped: tuple) -> None:
         self.sc, self.rank = sc, rank
-        self.backend = make_backend(sc, threads)
+        self.backend = make_backend(node_scenario(sc, shipped), threads)  # the model where this node has it
 
     async def join(self, address: str, size: int) -> None:
         await asyncio.to_thread(self.backend.join_group, address, self.rank, size, self.sc.timeouts.restart_s)
