@@ -35,13 +35,15 @@ def bounds(result: RunResult) -> tuple[Bound, Bound] | None:
     """The sim's pipeline bounds of a run: (for the workload it trained, for the workload as
     planned); None on a real runtime. A run that evicts long samples, or leaves them in flight
     at its end, trains a shorter set than planned; its efficiency is taken against that set's
-    own bound, so that dropping work never reads as speed."""
+    own bound, so that dropping work never reads as speed. Groups a replay ring overwrote
+    before training them were generated in full: that set counts them (without them, the
+    bound would play the trained groups again in their place, not what the run generated)."""
     sc = result.scenario
     if sc.runtime != "sim":
         return None
     led = result.ledger
     planned = pipeline_bound(sc, result.mode)
-    lengths = trained_lengths(sc, (pid for pid, _, _ in led.trained_log))
+    lengths = trained_lengths(sc, [*(pid for pid, _, _ in led.trained_log), *led.overwritten_ids])
     if lengths is None:
         return planned, planned
     draw = ((led.prompt_tokens + led.response_tokens) / led.trainings, led.tokens_sq / led.trainings)

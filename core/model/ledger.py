@@ -12,6 +12,8 @@ from collections import Counter
 
 from core.model.sample import Group
 
+OVERWRITTEN = "replay_overwritten"  # the drop reason of a group a replay ring overwrote untrained
+
 
 class LedgerError(RuntimeError):
     """An accounting rule was broken (a sample trained twice, or trained too stale)."""
@@ -31,6 +33,9 @@ class Ledger:
         self.trainings = 0
         self.dropped: Counter[str] = Counter()
         self.wasted_tokens = 0  # response tokens generated for samples that were then dropped
+        # Groups a replay ring overwrote before training them: generated in full, so the
+        # pipeline bound of what the run did counts them (harness.metrics.bounds).
+        self.overwritten_ids: list[int] = []
         self._trained_mask = bytearray()
         # one entry per group training
         self.trained_log: list[tuple[int, int, int]] = []  # (prompt_id, generation version, train version)
@@ -62,6 +67,8 @@ class Ledger:
         for g in groups:
             self.dropped[reason] += g.size
             self.wasted_tokens += sum(s.n_response for s in g.samples)
+            if reason == OVERWRITTEN:
+                self.overwritten_ids.append(g.prompt_id)
 
     def trained_mask(self) -> bytes:
         """One byte per sample uid, 1 where trained: what another process needs to tell which

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from core.api import Batch, BatchSource
-from core.model.ledger import Ledger
+from core.model.ledger import OVERWRITTEN, Ledger
 from core.model.sample import Group
 from ext.replay import ReplayBuffer
 
@@ -139,7 +139,7 @@ class ReplayStage:
             self._groups[slot] = g
         if lost:
             self.overwritten_untrained += len(lost)
-            self.ledger.dropped_groups(lost, "replay_overwritten")
+            self.ledger.dropped_groups(lost, OVERWRITTEN)
         self.added += len(groups)
 
     def _draw(self) -> tuple[list[Group], np.ndarray]:

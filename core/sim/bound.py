@@ -101,7 +101,8 @@ def planned_lengths(sc: Scenario) -> np.ndarray:
 
 
 def trained_lengths(sc: Scenario, prompt_ids) -> np.ndarray | None:
-    """Response lengths of the groups a run trained (each once, in prompt order); None if none."""
+    """Response lengths of the groups ``prompt_ids`` (each once, in prompt order): those a
+    run trained or generated in full; None if none."""
     ids = np.unique(np.fromiter(prompt_ids, dtype=np.int64))
     if not len(ids):
         return None
