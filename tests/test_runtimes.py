@@ -92,6 +92,20 @@ def test_ray_runtime_all_modes_on_vllm(ray_session, tiny_model_dir):
     assert ray_session.is_initialized()  # the runtime did not stop the shared instance
 
 
+def test_ray_runtime_all_modes_on_torch_engines_across_nodes(ray_session, tiny_model_dir):
+    """real-cpu-torch's engine on the ray runtime, every mode, SPREAD over the test cluster:
+    nothing lost, and no bundle on the driver's node (it has no CPUs)."""
+    sc = small("scenarios/real-cpu-vllm.yaml", tiny_model_dir, **{
+        "engine.kind": "torch", "trainer.steps": 2, "trainer.batch_size": 16, "ray.placement_strategy": "SPREAD",
+    })
+    for mode in sc.modes:
+        system = run_mode(sc, mode)
+        assert_accounted(system)
+        nodes, driver = ran_on(system)
+        assert nodes["rollouter"] == [driver]
+        assert driver not in {seen[0] for name, seen in nodes.items() if name != "rollouter"}, nodes
+
+
 def test_evaluation_arrives_while_training_continues(ray_session, tiny_model_dir):
     sc = small(
         "scenarios/real-cpu-vllm.yaml", tiny_model_dir,
@@ -348,13 +362,16 @@ def test_model_dir_a_node_cannot_see_is_shipped_once_or_refused(ray_session, tin
     the object store, is unpacked once into a stamped cache directory and reused; with none
     shipped, one error names the node, the path and the fix."""
     from core.model.owned import is_owned
-    from core.runtimes.ray_cluster import MODEL_CACHE_KIND, local_model_dir, node_scenario, pack_model
+    from core.runtimes.ray_cluster import MODEL_CACHE_KIND, local_model_dir, node_scenario, on_node, pack_model
 
     missing = str(tmp_path / "only-on-the-driver")  # no node sees it
     shipped = [ray_session.put(pack_model(str(tiny_model_dir)))]
     cache = {"env_vars": {"ASYNCRL_MODEL_CACHE": str(tmp_path / "cache")}}
-    on_w1 = {"num_cpus": 0, "runtime_env": cache, "resources": {"asyncrl_node_w1": 0.01}}
-    resolve = ray_session.remote(local_model_dir).options(**on_w1)
+    # A worker node alive now (a node-loss test may have taken one of the session's down).
+    driver = ray_session.get_runtime_context().get_node_id()
+    worker = next(n["NodeID"] for n in ray_session.nodes() if n["Alive"] and n["NodeID"] != driver)
+    on_worker = {"num_cpus": 0, "runtime_env": cache, "scheduling_strategy": on_node(worker)}
+    resolve = ray_session.remote(local_model_dir).options(**on_worker)
     first = ray_session.get(resolve.remote(missing, shipped))
     again = ray_session.get(resolve.remote(missing, shipped))
     assert first == again != missing  # unpacked once, then reused
@@ -365,5 +382,5 @@ def test_model_dir_a_node_cannot_see_is_shipped_once_or_refused(ray_session, tin
         ray_session.get(resolve.remote(missing, []))
     # What every actor of a run does with it (ray.ship_model): the same copy, the run's identity kept.
     sc = small("scenarios/real-cpu-vllm.yaml", tiny_model_dir).with_model_dir(missing)
-    here = ray_session.get(ray_session.remote(node_scenario).options(**on_w1).remote(sc, tuple(shipped)))
+    here = ray_session.get(ray_session.remote(node_scenario).options(**on_worker).remote(sc, tuple(shipped)))
     assert here.real_model_path == first and sc.real_model_path == missing
