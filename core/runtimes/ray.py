@@ -134,7 +134,7 @@ def cluster(address: Optional[str], num_cpus: Optional[int], serve: bool = False
 class EngineHost:
     """A rollout engine in its own actor (torch or vLLM)."""
 
-    def __init__(self, sc: Scenario, name: str, threads: int, seed: int, shipped: tuple) -> None:
+    def __init__(self, sc: Scenario, name: str, threads: int, seed: int, shipped: tuple = ()) -> None:
         sc = node_scenario(sc, shipped)  # the model where this node has it
         self.timeline = Timeline()
         self.engine = make_engine(sc, name, threads, self.timeline, seed)

@@ -38,7 +38,7 @@ def _ray():
 class TrainerRankHost:
     """Trainer rank ``rank`` >= 1: a backend taking part in the collectives rank 0 starts."""
 
-    def __init__(self, sc: Scenario, rank: int, threads: int, shipped: tuple) -> None:
+    def __init__(self, sc: Scenario, rank: int, threads: int, shipped: tuple = ()) -> None:
         self.sc, self.rank = sc, rank
         self.backend = make_backend(node_scenario(sc, shipped), threads)  # the model where this node has it
 
