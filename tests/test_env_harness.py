@@ -89,8 +89,9 @@ def test_bad_env_input_is_one_line_and_exit_2_before_anything_runs(tmp_path, cap
 
 def test_a_run_the_cluster_cannot_place_is_refused(tmp_path, capsys, ray_session):
     out = tmp_path / "run"
-    assert main(["scenarios/cartpole-dqn.yaml", "--out", str(out), "--set", "modes=[async]", "--set", "env.samplers=5"]) == 2
-    assert "env.samplers = 5" in " ".join(capsys.readouterr().err.split())
+    too_many = int(ray_session.cluster_resources()["CPU"]) + 1  # the session's test cluster, whatever its nodes
+    assert main(["scenarios/cartpole-dqn.yaml", "--out", str(out), "--set", "modes=[async]", "--set", f"env.samplers={too_many}"]) == 2
+    assert f"env.samplers = {too_many}" in " ".join(capsys.readouterr().err.split())
     assert not out.exists()
 
 

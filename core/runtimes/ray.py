@@ -107,8 +107,10 @@ def start_cluster(address: Optional[str], num_cpus: Optional[int]) -> bool:
         # Joining a cluster: its other nodes have no copy of this code, so it goes with the job.
         ray.init(address=address, runtime_env={**env, **code_env(Path(__file__).resolve().parents[2])}, log_to_driver=False)
     else:
+        # "local": a new instance even when another is running on this machine (ray.init would
+        # join that one, and refuse num_cpus).
         ray.init(
-            num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, runtime_env=env,
+            address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, runtime_env=env,
             log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG,
         )
     return True
