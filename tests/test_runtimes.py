@@ -95,7 +95,7 @@ def test_ray_runtime_all_modes_on_vllm(ray_session, tiny_model_dir):
 def test_ray_runtime_on_torch_engines_across_nodes(ray_session, tiny_model_dir):
     """real-cpu-torch's engine on the ray runtime, SPREAD over the test cluster: nothing lost,
     and no bundle on the driver's node (it has no CPUs). Sync and inflight here; async and
-    partial run on torch engines across the nodes in tests/test_ray_resume.py (each mode's
+    partial run on torch engines on the same cluster in tests/test_ray_resume.py (each mode's
     run costs ~40 s of actor start-up on 2 cores)."""
     sc = small("scenarios/real-cpu-vllm.yaml", tiny_model_dir, **{
         "engine.kind": "torch", "trainer.steps": 2, "trainer.batch_size": 16, "ray.placement_strategy": "SPREAD",
