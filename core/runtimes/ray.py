@@ -1251,8 +1251,8 @@ def _node_recoveries(faults: FaultLog, lost_nodes: dict[str, list[str]]) -> None
             continue
         ends = []
         for part in parts:
-            # An engine's record is the rollout actor's, taken just before the node's on another
-            # clock and moved onto the driver's: a second's slack.
+            # An engine's record is the rollout actor's, taken just after the node's on its clock
+            # and moved onto the driver's (an offset good to a round trip): a second's slack.
             after = [r for r in faults.records if r.target == part and r.kind == "kill" and r.at_s >= rec.at_s - 1.0]
             ends.append(after[0].recovered_s if after else None)
         if all(e is not None for e in ends):
