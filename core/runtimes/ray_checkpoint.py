@@ -28,7 +28,7 @@ from core.model.config import Scenario
 from core.model.faults import FaultRecord
 from core.runtimes.run_checkpoint import FORMAT, checkpoint_dir, scenario_digest
 from core.model.owned import is_owned, remove_owned
-from core.store.checkpoint import CheckpointError, Snapshot, checkpoints, decode, encode, load, read_file, write_atomic
+from core.store.checkpoint import CheckpointError, Snapshot, checkpoints, decode, encode, load, prune, read_file, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +52,7 @@ def save_rollout_side(path: Path, snap: Snapshot, keep: int) -> None:
     """Complete the trainer's checkpoint ``path`` with the rollout side, then prune: the
     newest ``keep`` checkpoints stay, this whole one among them."""
     write_atomic(Path(path) / ROLLOUT_FILE, encode(snap))
-    for old in checkpoints(path.parent)[:-keep]:
-        if is_owned(old, "checkpoint"):
-            remove_owned(old, "checkpoint")
+    prune(Path(path).parent, keep)
 
 
 def discard_after(root: Path, path: Optional[Path]) -> None:
@@ -139,7 +137,3 @@ def shifted_records(rows: list[dict], dt: float) -> list[dict]:
 
 def shifted_spans(spans: dict, dt: float) -> dict:
     return {w: [[k, a + dt, b + dt] for k, a, b in rows] for w, rows in spans.items()}
-
-
-def shifted_steps(step_info: list[dict], dt: float) -> list[dict]:
-    return [{**info, "end_s": info["end_s"] + dt} for info in step_info]

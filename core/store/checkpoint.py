@@ -204,12 +204,18 @@ def save(root: Path, step: int, snap: Snapshot, tensors: Optional[dict[str, dict
     except BaseException:
         discard_owned(tmp, "checkpoint")
         raise
-    for old in checkpoints(root)[:-keep] if keep is not None else []:
+    if keep is not None:
+        prune(root, keep)
+    return final
+
+
+def prune(root: Path, keep: int) -> None:
+    """Remove all but the newest ``keep`` checkpoints in ``root``: only those asyncrl stamped."""
+    for old in checkpoints(root)[:-keep]:
         if is_owned(old, "checkpoint"):
             remove_owned(old, "checkpoint")
         else:  # written before checkpoints were stamped, or not by asyncrl: never removed
             log.warning("%s: not stamped as asyncrl's checkpoint; left in place", old)
-    return final
 
 
 def checkpoints(root: Path) -> list[Path]:
