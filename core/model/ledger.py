@@ -177,10 +177,13 @@ class Ledger:
         "interrupted", "interrupts", "resumes", "max_response", "step_ends",
     )
 
-    def state(self) -> dict:
-        """Every count, JSON-ready (for a checkpoint)."""
+    def state(self, shift_s: float = 0.0) -> dict:
+        """Every count, JSON-ready (for a checkpoint), its times moved by ``shift_s`` (onto
+        another clock, as ``shift_times`` would, leaving this ledger as it is)."""
         out = {}
         for name, v in vars(self).items():
+            if name == "step_ends":
+                v = [(t + shift_s, n) for t, n in v]
             if name == "_trained_mask":
                 v = base64.b64encode(bytes(v)).decode()
             elif isinstance(v, Counter):

@@ -61,10 +61,12 @@ from core.real.hf_model import model_dtype
 from core.runtimes.broadcast_transfer import BroadcastTransfer
 from core.runtimes.object_store_transfer import ObjectStoreTransfer
 from core.runtimes.ray_checkpoint import (
-    RayResume, discard_after, load_ray_run, load_rollout_side, save_rollout_side, shifted_records, shifted_spans, shifted_steps,
+    RayResume, discard_after, load_ray_run, load_rollout_side, save_rollout_side, shifted_records, shifted_spans,
 )
 from core.runtimes.ray_cluster import code_env, kill_node, node_id, node_scenario, on_node, pack_model
-from core.runtimes.run_checkpoint import FORMAT, checkpoint_dir, due, restore_trainer_side, save_trainer_side, scenario_digest
+from core.runtimes.run_checkpoint import (
+    FORMAT, checkpoint_dir, due, restore_trainer_side, save_trainer_side, scenario_digest, trainer_state_at,
+)
 from core.runtimes.supervision import FaultInjector, strike, supervise_trainer
 from core.runtimes.trainer_ranks import RankedBackend, TrainerRankHost
 from core.sim.workload import Workload
@@ -420,14 +422,11 @@ class RolloutHost:
         for e, sup, st in zip(self.engines, ro.engines, engines):
             st["spans"] = shifted_spans(st["spans"], -e.offset - z)  # engine clock -> this one -> run time
             st["restarts"] = sup.restarts
-        ledger = Ledger(self.ledger.max_staleness, self.ledger.reuse)
-        ledger.restore(self.ledger.state())
-        ledger.shift_times(-z)
         snap = Snapshot(state={
             "format": FORMAT, "side": "rollout", "scenario": scenario_digest(sc), "scenario_name": sc.name, "mode": self.mode,
             "clock": loop.time() - z,
             "sync": {"version": version, "t0": t0, "t1": t1},
-            "ledger": ledger.state(),
+            "ledger": self.ledger.state(shift_s=-z),
             "rollouter": ro.state(),
             "queue": {"version": q.version, "counters": q.counters()},
             "engines": engines,
@@ -727,7 +726,7 @@ class TrainerHost:
         """A resumed run: back to the trainer side of whole checkpoint ``path``."""
         snap = await asyncio.to_thread(load, path)
         st, z = snap.state, self.zero
-        self.trainer.restore({**st["trainer"], "step_info": shifted_steps(st["trainer"]["step_info"], z)},
+        self.trainer.restore(trainer_state_at(st["trainer"], z),
                              snap.groups["holding"])
         self.ledger.restore(st["ledger"], fields=self.ledger.TRAINED_FIELDS)
         self.ledger.shift_times(z)

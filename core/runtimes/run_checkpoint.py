@@ -290,13 +290,13 @@ def restore_trainer_side(
     if found is None:
         raise RuntimeError("the trainer died before its first checkpoint; fix: checkpoint.every: 1")
     st = load(found).state
-    trainer.restore(_trainer_at(st["trainer"], zero), [], wait_s=False)
+    trainer.restore(trainer_state_at(st["trainer"], zero), [], wait_s=False)
     ledger.restore(st["ledger"], fields=ledger.TRAINED_FIELDS)
     ledger.shift_times(zero)
     _load_backend(backend, found)
 
 
-def _trainer_at(state: dict, dt: float) -> dict:
+def trainer_state_at(state: dict, dt: float) -> dict:
     """The trainer's state with its step times moved by ``dt``."""
     return {**state, "step_info": [{**info, "end_s": info["end_s"] + dt} for info in state["step_info"]]}
 
@@ -316,9 +316,6 @@ def save_trainer_side(
     clock's reading at run time 0. ``extra``: more state, read only by a resume."""
     if not (at_start or due(sc, version)):
         return None
-    led = Ledger(ledger.max_staleness, ledger.reuse)
-    led.restore(ledger.state())
-    led.shift_times(-zero)
     state = {
         "format": FORMAT,
         "side": "trainer",
@@ -326,8 +323,8 @@ def save_trainer_side(
         "scenario_name": sc.name,
         "mode": mode,
         "sync": None if at_start else {"version": version},
-        "trainer": _trainer_at(trainer.state(), -zero),
-        "ledger": led.state(),
+        "trainer": trainer_state_at(trainer.state(), -zero),
+        "ledger": ledger.state(shift_s=-zero),
         **(extra or {}),
     }
     snap = Snapshot(state=state)
