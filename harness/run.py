@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import logging
 import sys
+import warnings
 from datetime import datetime
 from pathlib import Path
 
@@ -157,6 +158,9 @@ def _interrupted(kept: Path | None, err: Console) -> int:
     # The run's asyncio tasks die with it; collected, each would be logged with a traceback as
     # an exception never retrieved.
     logging.getLogger("asyncio").setLevel(logging.CRITICAL + 1)
+    # A Ctrl-C that lands between making a coroutine and starting its task leaves it unawaited;
+    # collected at exit, Python would add two lines of warning to the one line this prints.
+    warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
     if kept is None:
         line = "interrupted; nothing was kept (the partial run directory was removed)"
     elif any(kept.glob("*/checkpoints/step-*")) or any(kept.glob("seed-*/*/checkpoints/step-*")):
