@@ -286,6 +286,37 @@ def test_an_engine_with_no_copy_to_load_rejoins_at_the_next_broadcast():
     assert [v for v, _ in e1.loads] == [1, 2] and e1.loads[-1][1].members == ("e0", "e1") and e1.loads[-1][1].regroup
 
 
+def test_a_sync_the_only_engine_missed_while_restarting_leaves_the_next_to_form_a_new_group():
+    """The engine's restart spans a sync that nobody takes part in: the trainer keeps the group
+    it had with the dead process, so the sync after must form a new one, not reuse that."""
+    engine = Loads("e0", restart_s=3.0)
+
+    async def catch_up(version):
+        return ["copy"]
+
+    async def main():
+        ro = rollouter([engine])
+        ro.catch_up = catch_up
+        run = asyncio.create_task(ro.run())
+        for version in (1, 2, 3):
+            if version == 2:
+                ro.worker_lost(0, WorkerLost("e0", "process", "killed"))
+                await asyncio.sleep(0.5)  # still coming back: the sync to 2 has no member
+            await ro.pause("abort")
+            await ro.update_weights(version, Ticket())
+            await ro.resume()
+            if version == 2:
+                await asyncio.sleep(5.0)  # back, with a copy of version 2
+                assert 0 not in ro._down
+        await ro.stop()
+        await run
+
+    virtual_clock.run(main())
+    assert [v for v, _ in engine.loads] == [1, 2, 3] and engine.loads[1][1] == ["copy"]
+    last = engine.loads[-1][1]
+    assert last.members == ("e0",) and last.regroup
+
+
 class Broken(Slow):
     async def generate(self, group, max_response_len):
         raise ValueError("not a lost worker: a bug")

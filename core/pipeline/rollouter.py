@@ -85,7 +85,7 @@ class Rollouter:
         # Back from a restart, waiting for the next sync: collective weights (a broadcast) can
         # only be taken together with every other engine, never by one alone.
         self._rejoining: set[int] = set()
-        self._restarted = False  # a worker restarted since the last collective sync: a new group for all
+        self._restarted = False  # a worker restarted since the last collective sync it took part in: a new group for all
         # ``catch_up(version)``: a copy of the trainer's weights that one engine loads alone (the
         # object-store fallback of a collective transfer), or None: it rejoins at the next sync.
         # Without it a lone engine killed would wait for a sync that its batches must make happen.
@@ -388,8 +388,11 @@ class Rollouter:
         """A collective load: the live engines and those back from a restart, each told who
         else takes part (a restarted one makes the group form anew)."""
         joining, self._rejoining = self._rejoining, set()
-        regroup, self._restarted = self._restarted, False
         up = [i for i in range(len(self.engines)) if i not in self._down or i in joining]
+        # A worker still coming back takes no part: the group it joins once back forms anew
+        # too. (With nobody up the trainer keeps its group, the dead process in it, and the
+        # next broadcast on that group waited out timeouts.control_s.)
+        regroup, self._restarted = self._restarted, len(up) < len(self.engines)
         weights = weights.addressed([self.engines[i].name for i in up], regroup=regroup)
         results = await asyncio.gather(*(self.engines[i].update_weights(version, weights) for i in up), return_exceptions=True)
         broken: Optional[CollectiveBroken] = None
