@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import os
 import threading
+import time
 
 # Before anything imports vllm: in-process engine core settings and a small CPU KV cache.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -16,6 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from core.model.config import LearnSpec
+from core.model.faults import CollectiveBroken
 from core.real.weight_broadcast import (
     BroadcastSource, GroupMember, ManifestMismatch, RollCall, TensorSpec, manifest_of, pack,
     plan_buckets, sha256_of, views,
@@ -112,6 +114,38 @@ def test_two_receivers_get_the_sources_tensors_bit_for_bit_in_their_dtype_throug
         assert not errors and not st.regrouped
         for _, _, _, params in receivers:
             assert sha256_of(params["norm"]) == sha256_of(trainer["norm"].to(torch.bfloat16))
+    finally:
+        source.close()
+
+
+def _raised(call) -> list:
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - what the test asserts on
+        return [exc]
+    return []
+
+
+def test_a_restarted_receiver_asked_into_the_old_group_breaks_the_sync_at_once():
+    """A new process addressed as a member of the group its predecessor was in (no regroup):
+    both sides break (CollectiveBroken) instead of waiting for a receive that never comes."""
+    trainer = _params(1)
+    source = BroadcastSource("127.0.0.1", bucket_bytes=4096, timeout_s=20)
+    manifest = manifest_of(trainer.items())
+    old = ("e0", RollCall("e0", 20), {}, _params(2))
+    try:
+        assert not _sync(source, [old], trainer, manifest)[1]
+        old[2]["member"].close()  # its process died
+        ticket = source.ticket(2).addressed(["e0"], regroup=False)
+        refused = []
+        new = threading.Thread(target=lambda: refused.extend(_raised(lambda: RollCall("e0", 20).answer(ticket))))
+        t0 = time.monotonic()
+        new.start()
+        with pytest.raises(CollectiveBroken):
+            source.send(ticket, lambda: trainer, manifest, threading.Event())
+        new.join(20)
+        assert time.monotonic() - t0 < 10
+        assert len(refused) == 1 and "restarted since" in str(refused[0])
     finally:
         source.close()
 

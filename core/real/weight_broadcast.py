@@ -110,6 +110,11 @@ def manifest_of(named: Iterable[tuple[str, Any]], dtype: Optional[str] = None) -
     return [TensorSpec(n, tuple(int(d) for d in t.shape), dtype or dtype_name(t.dtype)) for n, t in named]
 
 
+def group_prefix(seq: int) -> str:
+    """The store prefix of the group formed at sync ``seq``."""
+    return f"g{seq}/"
+
+
 def manifest_json(manifest: list[TensorSpec]) -> str:
     return json.dumps([[s.name, list(s.shape), s.dtype] for s in manifest])
 
@@ -346,7 +351,7 @@ class BroadcastSource:
         if self.group is not None:
             self.group.close()
             self.group = None
-        prefix = f"g{ticket.seq}/"
+        prefix = group_prefix(ticket.seq)
         world = len(members) + 1
         self.store.set(prefix + "manifest", manifest_json(manifest))
         self.store.set(f"sync{ticket.seq}/group", json.dumps({"prefix": prefix, "world": world}))
@@ -399,6 +404,10 @@ class RollCall:
         group = json.loads(store.get(key))
         m = Membership(ticket.host, ticket.port, group["prefix"], ticket.members.index(self.name) + 1, group["world"])
         join = self.current is None or (self.current.prefix, self.current.port) != (m.prefix, m.port)
+        if join and m.prefix != group_prefix(ticket.seq):
+            # A group formed before this process was (the sync was not addressed as a regroup):
+            # its rank is a dead process's. Broken at once, instead of a receive that never ends.
+            raise RuntimeError(f"{self.name} is not in the trainer's group {m.prefix} (it was restarted since it formed)")
         self.current = m
         return m, join
 
