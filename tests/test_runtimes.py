@@ -112,7 +112,7 @@ def test_ray_runtime_on_torch_engines_across_nodes(ray_session, tiny_model_dir):
 def test_evaluation_arrives_while_training_continues(ray_session, tiny_model_dir):
     sc = small(
         "scenarios/real-cpu-vllm.yaml", tiny_model_dir,
-        **{"trainer.steps": 8, "eval.every": 2, "eval.prompts": 4, "eval.workers": 2, "ray.poll_s": 0.05},
+        **{"engine.kind": "torch", "trainer.steps": 8, "eval.every": 2, "eval.prompts": 4, "eval.workers": 2, "ray.poll_s": 0.05},
     )
     system = run_mode(sc, "async")
     evals = system.evaluations
@@ -159,7 +159,9 @@ def test_serve_reward_matches_in_process(ray_session, tiny_model_dir):
 
 def test_reward_served_in_a_run(ray_session, tiny_model_dir):
     """... with STRICT_PACK: engine and trainer on one node (not the driver's, which has no CPUs)."""
-    sc = small("scenarios/real-cpu-vllm.yaml", tiny_model_dir, **{"reward.serve": True, "trainer.steps": 2, "ray.placement_strategy": "STRICT_PACK"})
+    sc = small("scenarios/real-cpu-vllm.yaml", tiny_model_dir, **{
+        "engine.kind": "torch", "reward.serve": True, "trainer.steps": 2, "ray.placement_strategy": "STRICT_PACK",
+    })
     system = run_mode(sc, "async")
     assert_accounted(system)
     nodes, driver = ran_on(system)
@@ -194,6 +196,7 @@ def test_profile_writes_flame_graphs_for_driver_and_actors(ray_session, tiny_mod
     sets = {
         "tiny_model.path": str(tiny_model_dir), "tiny_model.layers": 2, "tiny_model.intermediate": 256,
         "modes": "[partial]", "trainer.steps": 3, "trainer.batch_size": 32, "workload.max_response_len": 48,
+        "engine.kind": "torch",
     }
     argv = ["scenarios/real-cpu-vllm.yaml", "--out", str(out), "--profile", "--no-plots"]
     for k, v in sets.items():
@@ -239,13 +242,16 @@ def assert_recovered_run(system) -> dict:
     return m
 
 
-@pytest.mark.parametrize("mode", ["async", "partial"])
-def test_ray_kills_of_a_rollout_worker_and_the_trainer_lose_nothing(ray_session, tiny_model_dir, mode):
+# One vLLM engine's restart (its engine core process goes with it) and one torch engine's: an
+# engine's start is most of such a run's time, and vLLM's is the longer (~25 s of a core).
+@pytest.mark.parametrize(("mode", "engine"), [("async", "vllm"), ("partial", "torch")])
+def test_ray_kills_of_a_rollout_worker_and_the_trainer_lose_nothing(ray_session, tiny_model_dir, mode, engine):
     """Ray restarts both (max_restarts): the worker's groups are generated again, the trainer
     goes back to its checkpoint and the queue hands it again what it had been given since."""
     sc = small(
         "scenarios/real-cpu-vllm.yaml", tiny_model_dir,
         **{
+            "engine.kind": engine,
             # A step that no sync follows, and a lead of two windows: rollout runs ahead then,
             # so the worker dies mid-generation.
             "trainer.steps": 8, "trainer.sync_every": 2, "checkpoint.every": 1, "ray.poll_s": 0.1,
@@ -266,15 +272,17 @@ def test_ray_kills_of_a_rollout_worker_and_the_trainer_lose_nothing(ray_session,
     assert all(r.recovered_s > r.at_s for r in system.faults.records)
 
 
-@pytest.mark.parametrize(("mode", "strategy", "of"), [("async", "STRICT_SPREAD", "rollout_worker"), ("partial", "PACK", "trainer")])
-def test_ray_node_lost_mid_run_loses_nothing(ray_session, spare_node, tiny_model_dir, mode, strategy, of):
+@pytest.mark.parametrize(("mode", "strategy", "of", "engine"), [
+    ("async", "STRICT_SPREAD", "rollout_worker", "vllm"), ("partial", "PACK", "trainer", "torch"),
+])
+def test_ray_node_lost_mid_run_loses_nothing(ray_session, spare_node, tiny_model_dir, mode, strategy, of, engine):
     """A node taken down mid-run (its raylet killed, as a preempted host): every actor on it dies
     at once, Ray restarts them on another node (the spare one, as an autoscaler would add), and
     the run goes on. STRICT_SPREAD: the engine's node alone; PACK: engine and trainer together."""
     sc = small(
         "scenarios/real-cpu-vllm.yaml", tiny_model_dir,
         **{
-            "trainer.steps": 4, "checkpoint.every": 1, "ray.poll_s": 0.1, "ray.placement_strategy": strategy,
+            "trainer.steps": 4, "checkpoint.every": 1, "ray.poll_s": 0.1, "ray.placement_strategy": strategy, "engine.kind": engine,
             "faults": [{"kind": "kill", "target": "node", "node_of": of, "at_step": 1}],
         },
     )
@@ -297,7 +305,7 @@ def test_ray_hung_and_slow_workers_time_out_and_recover(ray_session, tiny_model_
     sc = small(
         "scenarios/real-cpu-vllm.yaml", tiny_model_dir,
         **{
-            "trainer.steps": 6, "ray.poll_s": 0.1, "timeouts.generate_s": 15,
+            "engine.kind": "torch", "trainer.steps": 6, "ray.poll_s": 0.1, "timeouts.generate_s": 15,
             "faults": [
                 {"kind": "slow", "target": "rollout_worker", "at_step": 1, "factor": 3, "duration_s": 3},
                 {"kind": "hang", "target": "rollout_worker", "at_step": 2, "call": "generate"},
@@ -348,7 +356,7 @@ def test_harness_joins_a_running_cluster(ray_cluster, tiny_model_dir, tmp_path):
     sets = {
         "ray.address": ray_cluster.address, "tiny_model.path": str(tiny_model_dir), "tiny_model.layers": 2,
         "tiny_model.intermediate": 256, "modes": "[async]", "trainer.steps": 2, "trainer.batch_size": 32,
-        "workload.max_response_len": 48,
+        "workload.max_response_len": 48, "engine.kind": "torch",
     }
     argv = [sys.executable, "-m", "harness.run", "scenarios/real-cpu-cluster.yaml", "--out", str(out), "--no-plots"]
     for k, v in sets.items():
