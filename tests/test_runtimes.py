@@ -73,11 +73,13 @@ def test_ray_runtime_all_modes_on_vllm(ray_session, tiny_model_dir):
     """The short real-cpu-vllm run inside the suite: every mode, across the test cluster's
     nodes: STRICT_SPREAD puts each bundle (engine, trainer) on a node of its own; the rollout
     actor stays on the driver's."""
-    sc = small("scenarios/real-cpu-vllm.yaml", tiny_model_dir, **{"ray.placement_strategy": "STRICT_SPREAD"})
+    # Broadcast sync (the default transport) in buckets of 0.25 MB: the tiny model goes in ten.
+    sc = small("scenarios/real-cpu-vllm.yaml", tiny_model_dir, **{"ray.placement_strategy": "STRICT_SPREAD", "sync.bucket_mb": 0.25})
     out = {}
     for mode in sc.modes:
         system = run_mode(sc, mode)
         out[mode] = assert_accounted(system)
+        assert len(system.sync.transfer_s) == sc.trainer.steps - 1 and all(t > 0 for t in system.sync.transfer_s)  # none after the last step
         nodes, driver = ran_on(system)
         assert nodes["rollouter"] == [driver]
         assert all(len(seen) == 1 for seen in nodes.values())  # nothing moved
@@ -112,7 +114,7 @@ def test_ray_runtime_on_torch_engines_across_nodes(ray_session, tiny_model_dir):
 def test_evaluation_arrives_while_training_continues(ray_session, tiny_model_dir):
     sc = small(
         "scenarios/real-cpu-vllm.yaml", tiny_model_dir,
-        **{"engine.kind": "torch", "trainer.steps": 8, "eval.every": 2, "eval.prompts": 4, "eval.workers": 2, "ray.poll_s": 0.05},
+        **{"trainer.steps": 8, "eval.every": 2, "eval.prompts": 4, "eval.workers": 2, "ray.poll_s": 0.05},
     )
     system = run_mode(sc, "async")
     evals = system.evaluations

@@ -311,21 +311,3 @@ def test_vllm_takes_a_broadcast_bit_for_bit_with_no_file(tiny_model_dir, monkeyp
     assert after_broadcast == after_file
     # Only the file path wrote into /dev/shm (the watcher saw its directory, so it was looking).
     assert not shm or all("-w2-" in f for f in seen) and seen
-
-
-def test_a_ray_run_with_broadcast_sync_loses_nothing(ray_session, tiny_model_dir):
-    from core.model.config import TinyModelSpec, with_changes
-    from core.runtimes.dispatch import run_mode
-    from harness.metrics import collect
-    from harness.scenario import load
-
-    sc = with_changes(load("scenarios/real-cpu-vllm.yaml"), {
-        "tiny_model.path": str(tiny_model_dir), "tiny_model.layers": TinyModelSpec().layers,
-        "tiny_model.intermediate": TinyModelSpec().intermediate, "trainer.steps": 3, "trainer.batch_size": 32,
-        "workload.max_response_len": 32, "eval.every": 0, "sync.transport": "broadcast", "sync.bucket_mb": 0.25,
-    })
-    system = run_mode(sc, "async")
-    m = collect(system)
-    assert m["samples/lost"] == 0 and system.in_flight == 0
-    assert m["samples/trained"] == 3 * 32
-    assert len(system.sync.transfer_s) == 2 and all(t > 0 for t in system.sync.transfer_s)  # no sync after the last step
