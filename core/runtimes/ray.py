@@ -364,6 +364,9 @@ class RolloutHost:
         # The driver's faults (it kills the trainer): which fired, and its records, for the checkpoint.
         self.driver_fired: list[int] = []
         self.driver_records: list[dict] = []
+        # The tokenizer, loaded while the engines start (seconds of imports): this actor is on the
+        # driver's node, which sees the model.
+        self.task = make_task(sc)
 
     def connect(self, engines: list[tuple[str, Any, float, int]], reward_handle: Any) -> None:
         """Wire the producer side to the engine actors (name, handle, clock offset to ours, pid).
@@ -373,7 +376,7 @@ class RolloutHost:
         handles counts, versions, times and rewards only. Rewards are scored where the tokens
         are: in the engine actor, or by the Serve deployment from the reference."""
         sc, mode = self.sc, self.mode
-        task = make_task(sc)  # the tokenizer: this actor is on the driver's node, which sees the model
+        task = self.task
         proxies = [EngineProxy(name, h, off, pid) for name, h, off, pid in engines]
         reward = ServeReward(reward_handle, sc.timeouts.control_s) if reward_handle is not None else EngineReward()
         workers = Workers(proxies, backend=None, transfer=None, prompts=TaskPrompts(task), reward=reward)
@@ -1019,13 +1022,7 @@ def _run_ray(
                 h = engine_cls.options(**pinned(i, sc.ray.rollout), **restarts).remote(sc, name, place.gpus_per_engine, sc.seed * 1000 + i, shipped)
                 engines.append((name, h))
                 actors.append(h)
-            ray.get([h.start.remote() for _, h in engines], timeout=sc.timeouts.restart_s)
-            off_engines = [_offset(h) for _, h in engines]
-            engine_pids = ray.get([h.pid.remote() for _, h in engines], timeout=control_s)
-            reward_handle = None
-            if sc.reward.serve:
-                reward_handle = deploy_reward(sc)
-                serve_started = True
+            starting = [h.start.remote() for _, h in engines]
             c = sc.ray.controller
             # The rollout actor holds the queue and the producer's ledger: when it dies, run_ray
             # brings the whole run back. It stays on the driver's node, which a run cannot lose and go on.
@@ -1033,10 +1030,8 @@ def _run_ray(
                 num_cpus=c.num_cpus, num_gpus=c.num_gpus, max_concurrency=c.max_concurrency, scheduling_strategy=on_node(node_id()),
             ).remote(sc, mode, run_dir)
             actors.append(rollout)
-            off_rollout = _offset(rollout)
-            ray.get(rollout.connect.remote(
-                [(name, h, off - off_rollout, pid) for (name, h), off, pid in zip(engines, off_engines, engine_pids)], reward_handle,
-            ), timeout=control_s)
+            # Every actor is created before any is waited for: the trainer loads its model while
+            # the engines start (created once they were up, a run waited for the two in turn).
             ranks = sc.ray.trainer_ranks
             threads = max(1, place.trainer_gpus // ranks)  # each rank its share of the trainer's devices
             peers = [
@@ -1048,6 +1043,17 @@ def _run_ray(
                 sc, mode, rollout, threads, run_dir, tuple(peers), stop_at_step, shipped
             )
             actors.append(trainer)
+            ray.get(starting, timeout=sc.timeouts.restart_s)
+            off_engines = [_offset(h) for _, h in engines]
+            engine_pids = ray.get([h.pid.remote() for _, h in engines], timeout=control_s)
+            reward_handle = None
+            if sc.reward.serve:
+                reward_handle = deploy_reward(sc)
+                serve_started = True
+            off_rollout = _offset(rollout)
+            ray.get(rollout.connect.remote(
+                [(name, h, off - off_rollout, pid) for (name, h), off, pid in zip(engines, off_engines, engine_pids)], reward_handle,
+            ), timeout=control_s)
             # Every actor here shares the host's monotonic clock unless the cluster spans nodes,
             # and then the offsets matter.
             off_trainer = _offset(trainer)
