@@ -364,9 +364,6 @@ class RolloutHost:
         # The driver's faults (it kills the trainer): which fired, and its records, for the checkpoint.
         self.driver_fired: list[int] = []
         self.driver_records: list[dict] = []
-        # The tokenizer, loaded while the engines start (seconds of imports): this actor is on the
-        # driver's node, which sees the model.
-        self.task = make_task(sc)
 
     def connect(self, engines: list[tuple[str, Any, float, int]], reward_handle: Any) -> None:
         """Wire the producer side to the engine actors (name, handle, clock offset to ours, pid).
@@ -376,7 +373,7 @@ class RolloutHost:
         handles counts, versions, times and rewards only. Rewards are scored where the tokens
         are: in the engine actor, or by the Serve deployment from the reference."""
         sc, mode = self.sc, self.mode
-        task = self.task
+        task = make_task(sc)  # the tokenizer: this actor is on the driver's node, which sees the model
         proxies = [EngineProxy(name, h, off, pid) for name, h, off, pid in engines]
         reward = ServeReward(reward_handle, sc.timeouts.control_s) if reward_handle is not None else EngineReward()
         workers = Workers(proxies, backend=None, transfer=None, prompts=TaskPrompts(task), reward=reward)
