@@ -183,7 +183,7 @@ class Ledger:
         out = {}
         for name, v in vars(self).items():
             if name == "step_ends":
-                v = [(t + shift_s, n) for t, n in v]
+                v = self._step_ends_at(shift_s)
             if name == "_trained_mask":
                 v = base64.b64encode(bytes(v)).decode()
             elif isinstance(v, Counter):
@@ -209,7 +209,11 @@ class Ledger:
 
     def shift_times(self, dt: float) -> None:
         """Move this ledger's timestamps by ``dt`` (onto another process's clock)."""
-        self.step_ends = [(t + dt, n) for t, n in self.step_ends]
+        self.step_ends = self._step_ends_at(dt)
+
+    def _step_ends_at(self, dt: float) -> list:
+        """The ledger's only times, moved by ``dt``: what ``state`` and ``shift_times`` both move."""
+        return [(t + dt, n) for t, n in self.step_ends]
 
     def step_done(self, now: float) -> None:
         self.step_ends.append((now, self.trainings))
