@@ -32,6 +32,7 @@ from core.real.workers import apply_env
 from core.runtimes.dispatch import run_mode
 from core.api import RunStopped
 from core.model.faults import RestartsExhausted
+from core.model.user_code import UserCodeError
 from core.runtimes.ray import cluster
 from core.runtimes.ray_checkpoint import load_ray_run
 from core.runtimes.run_checkpoint import load_run, scenario_digest
@@ -132,9 +133,12 @@ def main(argv: list[str] | None = None) -> int:
         where.release()
         console.print(f"{exc}; its checkpoints are in {out}. Go on with: python -m harness.run --resume {out}", highlight=False)
         return 0
-    except RestartsExhausted as exc:  # settings a run proved unworkable (calls that always time out): one line, not a traceback
+    except (RestartsExhausted, UserCodeError) as exc:
+        # Settings a run proved unworkable (calls that always time out), or the user's code that
+        # failed while it ran (its reward function): one line, not a traceback.
         kept = where.abandon(keep=resumable)
-        err.print(f"[bold red]error:[/] {escape(str(exc))}" + (f" (checkpoints kept in {where.out})" if kept else ""),
+        line = exc.plain() if isinstance(exc, UserCodeError) else exc
+        err.print(f"[bold red]error:[/] {escape(str(line))}" + (f" (checkpoints kept in {where.out})" if kept else ""),
                   highlight=False, soft_wrap=True)
         return 1
     except KeyboardInterrupt:  # Ctrl-C: one line on what is left, not the traceback of wherever the run was

@@ -23,7 +23,9 @@ from core.model.config import Scenario, TaskSpec, kv_capacity_tokens, with_chang
 from core.model.model_dir import ModelDirError, read_model_dir
 from core.model.owned import NotOwned
 from core.model.prompt_file import PromptFileError, read_prompts
-from core.model.reward_fn import RewardFnError, load_reward_fn
+from core.model.config import RewardSpec
+from core.model.reward_fn import load_reward_fn
+from core.model.user_code import UserCodeError
 from core.real.hf_model import load_model, load_tokenizer
 from core.real.reward import task_from
 from core.real.task import FilePrompts, score_text
@@ -274,7 +276,7 @@ def test_a_prompt_file_is_scored_by_exact_match_unless_reward_fn_says_otherwise(
 
 
 def test_reward_fn_gets_the_prompt_the_response_the_answer_and_whether_it_ended(tiny_model_dir, prompts_file):
-    task = task_from(TaskSpec(prompts=str(prompts_file)), 0, tiny_model_dir, "tests.byo_reward:length_share")
+    task = task_from(TaskSpec(prompts=str(prompts_file)), 0, tiny_model_dir, RewardSpec(fn="tests.byo_reward:length_share"))
     tok = load_tokenizer(tiny_model_dir)
     byo_reward.calls.clear()
     words = tok.encode("a b c", add_special_tokens=False)
@@ -283,22 +285,22 @@ def test_reward_fn_gets_the_prompt_the_response_the_answer_and_whether_it_ended(
     prompt, answer = task.prompt_text(2), task.prompts.answer(2)
     assert byo_reward.calls == [(prompt, "a b c", answer, True), (prompt, "a b c", answer, False)]
     # On the letters task there is no answer.
-    letters = task_from(TaskSpec(), 0, tiny_model_dir, "tests.byo_reward:length_share")
+    letters = task_from(TaskSpec(), 0, tiny_model_dir, RewardSpec(fn="tests.byo_reward:length_share"))
     letters.reward(0, words + [tok.eos_token_id])
     assert byo_reward.calls[-1] == (letters.prompt_text(0), "a b c", None, True)
 
 
 @pytest.mark.parametrize("fn", ["not_a_number", "infinite"])
 def test_a_reward_that_is_not_a_finite_number_is_an_error_naming_the_function(fn, tiny_model_dir):
-    task = task_from(TaskSpec(), 0, tiny_model_dir, f"tests.byo_reward:{fn}")
-    with pytest.raises(ValueError, match=f"reward.fn tests.byo_reward:{fn} returned .*: a reward is a finite number"):
-        task.reward(0, [3, 4])
+    task = task_from(TaskSpec(), 0, tiny_model_dir, RewardSpec(fn=f"tests.byo_reward:{fn}"))
+    with pytest.raises(UserCodeError, match=f"reward.fn tests.byo_reward:{fn}: scoring sample 7 of prompt 0 .* returned .*, not a (finite )?number"):
+        task.reward(0, [3, 4], sample=7)
 
 
 def test_reward_fn_may_take_keywords_only_and_more():
-    assert load_reward_fn("tests.byo_reward:keywords_only")(prompt="p", response="x 4", answer="4", finished=True) == 1.0
-    with pytest.raises(RewardFnError, match="no module 'no_such_pkg'"):
-        load_reward_fn("no_such_pkg.rewards:score")
+    assert load_reward_fn("tests.byo_reward:keywords_only", 5)(prompt="p", response="x 4", answer="4", finished=True) == 1.0
+    with pytest.raises(UserCodeError, match="no module 'no_such_pkg'"):
+        load_reward_fn("no_such_pkg.rewards:score", 5)
 
 
 def test_a_prompt_that_leaves_no_room_for_a_response_is_refused_before_the_run(llama_dir, tmp_path):
@@ -409,10 +411,17 @@ def test_reward_fn_scores_the_same_in_a_serve_replica_process(ray_session, tiny_
     rng = np.random.default_rng(0)
     for pid in range(4):
         responses = [rng.integers(3, 30, size=int(rng.integers(1, 12))).tolist() + [eos] * (i % 2) for i in range(4)]
-        served = ray_session.get(replica.score.remote(pid, responses), timeout=120)
+        served = ray_session.get(replica.score.remote(pid, 4 * pid, responses), timeout=120)
         assert served == [task.reward(pid, r) for r in responses]
         assert served[1] > 0 and served[0] == 0.0  # ended, and ran into the cap
     ray_session.kill(replica)
+    # A function that fails in the replica reaches the caller as the one line of the guard.
+    failing = ray_session.remote(RewardService).options(num_cpus=0).remote(with_changes(sc, {"reward.fn": "tests.byo_reward:not_a_number"}))
+    with pytest.raises(UserCodeError) as failed:
+        ray_session.get(failing.score.remote(2, 8, responses), timeout=120)
+    assert str(failed.value.plain()).startswith("reward.fn tests.byo_reward:not_a_number: scoring sample 8 of prompt 2 (line ")
+    assert "returned 'high', not a number; fix:" in str(failed.value.plain())
+    ray_session.kill(failing)
 
 
 @pytest.mark.slow

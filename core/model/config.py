@@ -20,7 +20,8 @@ from core.model.length_file import LengthFileError, read_lengths
 from core.model.model_dir import ModelDirError, check_loadable, read_model_dir
 from core.model.owned import is_owned
 from core.model.prompt_file import PromptFileError, read_prompts
-from core.model.reward_fn import SIGNATURE, RewardFnError, load_reward_fn
+from core.model.reward_fn import load_reward_fn
+from core.model.user_code import UserCodeError
 
 Mode = Literal["sync", "async", "partial", "inflight"]
 MODES: tuple[str, ...] = ("sync", "async", "partial", "inflight")
@@ -575,14 +576,23 @@ class RewardSpec(_Frozen):
     """Your reward, ``module:function``, called as fn(prompt=, response=, answer=, finished=)
     and returning a float (core/model/reward_fn.py); imported before the run, and by name in
     every process that scores (the Serve replicas too). None: the task's own reward."""
+    timeout_s: float = Field(30.0, gt=0, le=3600)
+    """Longest a call of ``fn``, or its import, may take. A call that does not return in time
+    ends the run (or is skipped, with ``on_error: skip``); an import is refused. 30 s: far above a
+    verifier's milliseconds, below what a user waits before thinking the run hung."""
+    on_error: Literal["fail", "skip"] = "fail"
+    """What a call of ``fn`` that raises, exits, times out or returns anything but a finite number
+    does: ``fail`` ends the run in one line naming the function and the sample; ``skip`` drops
+    that sample's group (GRPO's advantage is relative within the group), counted in the ledger
+    as ``samples/dropped_reward_error``, and the run goes on."""
 
     @model_validator(mode="after")
     def _importable(self) -> "RewardSpec":
         if self.fn is not None:
             try:
-                load_reward_fn(self.fn)
-            except RewardFnError as exc:
-                raise ConfigError("reward.fn", self.fn, str(exc), f"name an importable module:function defined as {SIGNATURE}") from None
+                load_reward_fn(self.fn, self.timeout_s)
+            except UserCodeError as exc:
+                raise ConfigError("reward.fn", self.fn, exc.problem, exc.fix) from None
         return self
 
 

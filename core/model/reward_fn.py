@@ -1,7 +1,7 @@
 """The user's reward function, named in ``reward.fn`` as ``module:function``.
 
 It is called once per response, with keywords, where the built-in reward is computed (in the
-Rollouter's process, or in the Ray Serve replicas with ``reward.serve``):
+Rollouter's process, in the engine actors, or in the Ray Serve replicas with ``reward.serve``):
 
     fn(prompt=str, response=str, answer=str | None, finished=bool) -> float
 
@@ -12,57 +12,80 @@ the built-in letters task); ``finished`` False when the response ran into
 module by name (so nothing is pickled): it must be importable there, from the working
 directory (``python -m harness.run`` puts it on ``sys.path``), ``PYTHONPATH`` or an installed
 package.
+
+Importing it and every call run behind the guard of core/model/user_code.py, within
+``reward.timeout_s``: whatever it does becomes one ``UserCodeError`` line.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
-from typing import Callable
+import math
+import numbers
+from typing import Callable, Optional
 
+from core.model.user_code import UserCodeError, check_signature, import_function, run_guarded
+
+KEY = "reward.fn"
+# The reward of a response whose scoring failed under ``reward.on_error: skip``: its group is
+# dropped (a user's NaN is refused as an error, so it cannot stand for anything else).
+REWARD_FAILED = math.nan
 ARGS = {"prompt": "", "response": "", "answer": None, "finished": True}
 SIGNATURE = "fn(prompt, response, answer, finished) -> float"
+LOAD_FIX = f"name an importable module:function defined as {SIGNATURE}"
+CALL_FIX = ("make it return a finite float for every response, within reward.timeout_s; or set reward.on_error to skip "
+            "to drop a group whose scoring fails")
 
 
-class RewardFnError(ValueError):
-    """The function cannot be imported, is not a function, or cannot take the reward's arguments."""
+def load_reward_fn(name: str, timeout_s: float) -> Callable[..., float]:
+    """Import ``module:function`` (within ``timeout_s``) and check that it can be called as the
+    reward is; ``UserCodeError`` (one line) if not."""
+    fn = import_function(KEY, name, timeout_s, LOAD_FIX)
+    check_signature(KEY, name, fn, ARGS, SIGNATURE, LOAD_FIX)
+    return fn
 
 
-def load_reward_fn(name: str) -> Callable[..., float]:
-    """Import ``module:function`` (a dotted attribute path after the colon is allowed) and
-    check that it can be called as the reward is; ``RewardFnError`` (one line) if not."""
-    module_name, sep, attr = name.partition(":")
-    if not sep or not module_name.strip() or not attr.strip():
-        raise RewardFnError("is not module:function")
+class GuardedReward:
+    """A user's reward function, each call behind the guard and its value checked to be a
+    finite number."""
+
+    def __init__(self, fn: Callable[..., float], name: str, timeout_s: float) -> None:
+        self.fn = fn
+        self.name = name
+        self.timeout_s = timeout_s
+
+    def __call__(self, prompt: str, response: str, answer: Optional[str], finished: bool) -> float:
+        """The reward; ``UserCodeError`` if the function failed (the caller says which sample)."""
+        doing = "scoring a response"
+        r, value = run_guarded(_scored, (self.fn, {"prompt": prompt, "response": response, "answer": answer, "finished": finished}),
+                               timeout_s=self.timeout_s, key=KEY, name=self.name, doing=doing, fix=CALL_FIX)
+        if value is None:
+            raise UserCodeError(KEY, self.name, doing, f"returned {_shown(r)}, not a number", CALL_FIX)
+        if not math.isfinite(value):
+            raise UserCodeError(KEY, self.name, doing, f"returned {_shown(r)}, not a finite number", CALL_FIX)
+        return value
+
+
+def reward_failed(value: Optional[float]) -> bool:
+    """``value`` is ``REWARD_FAILED``."""
+    return value is not None and math.isnan(value)
+
+
+def _scored(fn: Callable[..., float], kwargs: dict) -> tuple[object, Optional[float]]:
+    """(what ``fn`` returned, it as a float, or None if it is no number): converted inside the
+    guard, since a number type of the user's converts itself."""
+    r = fn(**kwargs)
+    if not isinstance(r, numbers.Real):
+        return r, None
     try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise RewardFnError(f"no module {exc.name!r} is importable here (sys.path: the working directory, PYTHONPATH, installed packages)") from None
-        raise RewardFnError(f"importing {module_name} failed: {_line(exc)}") from None
-    except Exception as exc:  # the user's module ran and failed: say how, in one line
-        raise RewardFnError(f"importing {module_name} failed: {_line(exc)}") from None
-    fn: object = module
-    for part in attr.split("."):
-        try:
-            fn = getattr(fn, part)
-        except AttributeError:
-            raise RewardFnError(f"{module_name} has no {attr!r}") from None
-    if not callable(fn):
-        raise RewardFnError(f"is a {type(fn).__name__}, not a function")
-    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
-        raise RewardFnError("is an async function; the reward is called as a plain one")
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        raise RewardFnError("has no signature Python can read") from None
-    try:
-        sig.bind(**ARGS)
-    except TypeError as exc:
-        raise RewardFnError(f"cannot be called as {SIGNATURE} ({exc})") from None
-    return fn  # type: ignore[return-value]
+        return r, float(r)
+    except (OverflowError, ValueError, TypeError):
+        return r, math.nan
 
 
-def _line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
+def _shown(value: object) -> str:
+    """A returned value in a few characters, without calling its own ``__repr__`` (user code)."""
+    for kind in (bool, int, float, str, bytes):
+        if type(value) is kind:
+            text = kind.__repr__(value) if kind is not int or value.bit_length() < 200 else f"an int of {value.bit_length()} bits"
+            return text if len(text) <= 60 else text[:57] + "..."
+    return "None" if value is None else f"a {type(value).__name__}"

@@ -18,6 +18,7 @@ from typing import Any, Awaitable, Callable, Optional
 from core.api import PauseMode, PromptSource, RewardFn
 from core.model.faults import CollectiveBroken, FaultLog, RestartsExhausted, WorkerLost, worker_key
 from core.model.ledger import Ledger
+from core.model.reward_fn import reward_failed
 from core.model.sample import Group, Sample
 from core.pipeline.staleness_queue import AsyncStalenessQueue
 from core.pipeline.supervised_engine import SupervisedEngine
@@ -264,6 +265,9 @@ class Rollouter:
                     return
                 for s, value in zip(group.samples, rewards):
                     s.reward = value
+                if any(reward_failed(r) for r in rewards):  # reward.on_error: skip
+                    self._drop([group], "reward_error")
+                    return
             group.finished_at = asyncio.get_running_loop().time()
             if not await self.queue.put(group, group.version):
                 self._drop([group], "stale_on_arrival")

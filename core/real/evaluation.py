@@ -19,6 +19,7 @@ from typing import Any, Optional
 import numpy as np
 
 from core.model.config import Scenario
+from core.model.reward_fn import reward_failed
 from core.real.reward import make_task
 from core.real.hf_model import load_model
 
@@ -104,11 +105,12 @@ class Evaluations:
         parts = self._parts.setdefault(version, [])
         parts.append(part)
         if len(parts) == len(_chunks(self.sc)):
-            rewards = [r for p in parts for r in p["rewards"]]
+            # A held-out response whose scoring failed (reward.on_error: skip) is left out of the mean.
+            rewards = [r for p in parts for r in p["rewards"] if not reward_failed(r)]
             lengths = [n for p in parts for n in p["lengths"]]
             self.results.append({
                 "version": version,
-                "reward_mean": float(np.mean(rewards)),
+                "reward_mean": float(np.mean(rewards)) if rewards else None,
                 "length_mean": float(np.mean(lengths)),
                 "prompts": len(rewards),
                 "started_s": self._started[version],

@@ -17,34 +17,37 @@ from typing import Any, Optional
 
 import numpy as np
 
-from core.model.config import Scenario, TaskSpec
+from core.model.config import RewardSpec, Scenario, TaskSpec
 from core.model.sample import Group
 from core.model.faults import CallTimeout, WorkerLost
 from core.model.group_wire import read_tokens
 from core.model.model_dir import read_model_dir
 from core.model.prompt_file import read_prompts
-from core.model.reward_fn import load_reward_fn
+from core.model.reward_fn import GuardedReward, load_reward_fn
+from core.model.user_code import UserCodeError
 from core.real.hf_model import load_tokenizer
-from core.real.task import CheckedReward, FilePrompts, LetterPrompts, LetterScore, Task, exact_match
+from core.real.task import FilePrompts, LetterPrompts, LetterScore, Task, exact_match
 
 
 def make_task(sc: Scenario) -> Task:
     """The scenario's prompts and reward, on the tokenizer of the model the run loads."""
-    return task_from(sc.task, sc.seed, sc.real_model_path, sc.reward.fn, sc.real_max_positions)
+    return task_from(sc.task, sc.seed, sc.real_model_path, sc.reward, sc.real_max_positions)
 
 
-def task_from(t: TaskSpec, seed: int, model_dir, reward_fn: Optional[str] = None, max_positions: Optional[int] = None) -> Task:
+def task_from(t: TaskSpec, seed: int, model_dir, reward: Optional[RewardSpec] = None, max_positions: Optional[int] = None) -> Task:
     """The task ``t`` on the tokenizer of ``model_dir``: the letters task unless ``t.prompts``
-    names a file; scored by ``reward_fn`` (``module:function``) when given, else by the task's
-    own reward. A response ends at the tokenizer's or the model config's end-of-sequence token."""
+    names a file; scored by ``reward.fn`` (``module:function``, behind the guard) when given,
+    else by the task's own reward. A response ends at the tokenizer's or the model config's
+    end-of-sequence token."""
     tok = load_tokenizer(model_dir)
     if t.prompts is None:
         prompts = LetterPrompts(seed, t.alphabet, t.min_letters, t.max_letters)
     else:
         held_out = read_prompts(t.eval_prompts) if t.eval_prompts is not None else None
         prompts = FilePrompts(read_prompts(t.prompts), held_out, seed)
-    if reward_fn is not None:
-        score = CheckedReward(load_reward_fn(reward_fn), reward_fn)
+    reward = reward or RewardSpec()
+    if reward.fn is not None:
+        score = GuardedReward(load_reward_fn(reward.fn, reward.timeout_s), reward.fn, reward.timeout_s)
     elif t.prompts is not None:
         score = exact_match
     else:
@@ -59,6 +62,7 @@ def task_from(t: TaskSpec, seed: int, model_dir, reward_fn: Optional[str] = None
         bos_id=tok.bos_token_id,
         eos_ids=eos,
         max_positions=max_positions,
+        skip_failed=reward.on_error == "skip",
     )
 
 
@@ -81,7 +85,7 @@ class TaskReward:
         self.task = task
 
     async def score(self, group: Group) -> list[float]:
-        return [self.task.reward(group.prompt_id, s.response_tokens) for s in group.samples]
+        return [self.task.reward(group.prompt_id, s.response_tokens, sample=s.uid) for s in group.samples]
 
 
 class RewardService:
@@ -90,14 +94,15 @@ class RewardService:
     def __init__(self, sc: Scenario) -> None:
         self.task = make_task(sc)
 
-    def score(self, prompt_id: int, responses: list[list[int]]) -> list[float]:
-        return [self.task.reward(prompt_id, r) for r in responses]
+    def score(self, prompt_id: int, first_uid: int, responses: list[list[int]]) -> list[float]:
+        """The rewards of a group's responses, in order (their samples' uids count up from ``first_uid``)."""
+        return [self.task.reward(prompt_id, r, sample=first_uid + i) for i, r in enumerate(responses)]
 
-    async def score_tokens(self, prompt_id: int, n: int, payload: list) -> list[float]:
+    async def score_tokens(self, prompt_id: int, first_uid: int, n: int, payload: list) -> list[float]:
         """Score the ``n`` responses of a tokens record by reference (``payload``: [ObjectRef]),
         read from the object store here: they never pass through the caller."""
         off, tokens, _ = read_tokens(await payload[0], prompt_id, n)
-        return [self.task.reward(prompt_id, tokens[a:b]) for a, b in zip(off[:-1], off[1:])]
+        return [self.task.reward(prompt_id, tokens[a:b], sample=first_uid + i) for i, (a, b) in enumerate(zip(off[:-1], off[1:]))]
 
 
 class EngineReward:
@@ -121,9 +126,12 @@ class ServeReward:
 
         try:
             async with asyncio.timeout(self.timeout_s):
+                first = group.samples[0].uid
                 if group.payload is not None:  # the tokens are in the object store: the replica reads them there
-                    return await self.handle.score_tokens.remote(group.prompt_id, group.size, [group.payload])
-                return await self.handle.score.remote(group.prompt_id, [np.asarray(s.response_tokens).tolist() for s in group.samples])
+                    return await self.handle.score_tokens.remote(group.prompt_id, first, group.size, [group.payload])
+                return await self.handle.score.remote(group.prompt_id, first, [np.asarray(s.response_tokens).tolist() for s in group.samples])
+        except UserCodeError as exc:  # the user's function failed in the replica: that, not a lost worker
+            raise exc.plain() from None
         except TimeoutError:
             raise CallTimeout("reward", "score", self.timeout_s, "timeouts.control_s") from None
         except RayError as exc:

@@ -22,14 +22,14 @@ The reward is computed on the decoded text, not on token ids, so it is the same 
 tokenizes (the trainer, vLLM, the reward service).
 
 Prompts may come from a file instead (``task.prompts``, ``FilePrompts``) and the reward from a
-function of the user's (``reward.fn``, ``CheckedReward``); ``Task`` puts any prompts and any
+function of the user's (``reward.fn``, ``GuardedReward``); ``Task`` puts any prompts and any
 reward on one tokenizer.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-import numbers
 import string
 from functools import lru_cache
 from typing import Callable, Optional, Sequence
@@ -37,6 +37,10 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from core.model.prompt_file import PromptRow
+from core.model.reward_fn import REWARD_FAILED
+from core.model.user_code import UserCodeError
+
+log = logging.getLogger(__name__)
 
 LETTERS = tuple(string.ascii_lowercase)
 DIGITS = tuple(string.digits)
@@ -65,6 +69,10 @@ class LetterPrompts:
     def answer(self, prompt_id: int, held_out: bool = False) -> Optional[str]:
         return None
 
+    def where(self, prompt_id: int, held_out: bool = False) -> str:
+        """Where the prompt comes from, for an error: a generated prompt's text says it all."""
+        return repr(self.text(prompt_id, held_out))
+
 
 class FilePrompts:
     """Prompts of a file (``task.prompts``): prompt id i is row i of a pass over the rows in an
@@ -88,6 +96,11 @@ class FilePrompts:
 
     def answer(self, prompt_id: int, held_out: bool = False) -> Optional[str]:
         return self._row(prompt_id, held_out).answer
+
+    def where(self, prompt_id: int, held_out: bool = False) -> str:
+        """'line 4 of task.prompts': the row's place in its file."""
+        row = self._row(prompt_id, held_out)
+        return f"{row.where} of {'task.eval_prompts' if held_out else 'task.prompts'}" if row.where else ""
 
 
 @lru_cache(maxsize=4)
@@ -114,20 +127,6 @@ def exact_match(prompt: str, response: str, answer: Optional[str], finished: boo
     return float(finished and answer is not None and response.strip() == answer.strip())
 
 
-class CheckedReward:
-    """A user's reward function (``reward.fn``), its every result checked to be a finite number."""
-
-    def __init__(self, fn: Callable[..., float], name: str) -> None:
-        self.fn = fn
-        self.name = name
-
-    def __call__(self, prompt: str, response: str, answer: Optional[str], finished: bool) -> float:
-        r = self.fn(prompt=prompt, response=response, answer=answer, finished=finished)
-        if not isinstance(r, numbers.Real) or not math.isfinite(r):
-            raise ValueError(f"reward.fn {self.name} returned {r!r:.80} for prompt {prompt[:60]!r}: a reward is a finite number")
-        return float(r)
-
-
 class Task:
     """Prompts as token ids, and the reward of a response, on one tokenizer.
 
@@ -137,9 +136,12 @@ class Task:
     """
 
     def __init__(self, prompts, score: Callable[..., float], encode, decode, bos_id: Optional[int], eos_ids,
-                 max_positions: Optional[int] = None) -> None:
+                 max_positions: Optional[int] = None, skip_failed: bool = False) -> None:
         """``encode(text) -> list[int]`` and ``decode(ids) -> str`` come from the tokenizer;
-        ``max_positions``: the model's, which a file's prompts must leave room in."""
+        ``max_positions``: the model's, which a file's prompts must leave room in;
+        ``skip_failed``: a reward function that fails gives ``REWARD_FAILED`` (its group is
+        dropped) instead of raising (``reward.on_error: skip``)."""
+        self.skip_failed = skip_failed
         self.prompts = prompts
         self.max_positions = max_positions
         self.score = score
@@ -167,14 +169,28 @@ class Task:
                     raise ValueError(f"{key}: the prompt of {row.where} is {n} tokens, leaving no room for a response in the "
                                      f"model's {self.max_positions} positions; fix: shorten or drop it")
 
-    def reward(self, prompt_id: int, response_tokens: Sequence[int], held_out: bool = False) -> float:
+    def reward(self, prompt_id: int, response_tokens: Sequence[int], held_out: bool = False, sample: Optional[int] = None) -> float:
+        """The reward of a response (``sample``: its uid, named if a reward function fails on it)."""
         ids = [int(t) for t in response_tokens]
         end = next((i for i, t in enumerate(ids) if t in self._eos), None)
         text = self._decode(ids if end is None else ids[:end])
-        return self.score(
-            prompt=self.prompt_text(prompt_id, held_out), response=text,
-            answer=self.prompts.answer(prompt_id, held_out), finished=end is not None,
-        )
+        try:
+            return self.score(
+                prompt=self.prompt_text(prompt_id, held_out), response=text,
+                answer=self.prompts.answer(prompt_id, held_out), finished=end is not None,
+            )
+        except UserCodeError as exc:
+            exc = exc.doing_instead(self._scoring(prompt_id, held_out, sample))
+            if not self.skip_failed:
+                raise exc from None
+            log.warning("%s %s: %s; its group is dropped (reward.on_error: skip)", exc.key, exc.name, exc.problem)
+            return REWARD_FAILED
+
+    def _scoring(self, prompt_id: int, held_out: bool, sample: Optional[int]) -> str:
+        """'scoring sample 12 of prompt 3 (line 4 of task.prompts)': which response failed."""
+        what = "a held-out response" if sample is None else f"sample {sample}"
+        where = self.prompts.where(prompt_id, held_out)
+        return f"scoring {what} of prompt {prompt_id}" + (f" ({where})" if where else "")
 
 
 def score_text(prompt: str, response: str, length_per_letter: int, truncated_reward: float, overshoot: float) -> float:

@@ -172,7 +172,7 @@ class EngineHost:
             self._held.pop(group.prompt_id, None)
             if self._task is not None:
                 for s in group.samples:
-                    s.reward = self._task.reward(group.prompt_id, s.response_tokens)
+                    s.reward = self._task.reward(group.prompt_id, s.response_tokens, sample=s.uid)
         else:
             self._held[group.prompt_id] = group
         return (completed, group.without_tokens()), encode_tokens(group)
