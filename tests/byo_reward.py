@@ -31,3 +31,19 @@ def infinite(prompt, response, answer, finished):
 
 
 NOT_A_FUNCTION = 3
+
+
+def fails_now_and_then(prompt, response, answer, finished):
+    """``length_share``, except that every 40th call in a process raises."""
+    global _calls
+    _calls += 1
+    if _calls % 40 == 7:
+        raise ValueError(f"call {_calls} failed")
+    return length_share(prompt, response, answer, finished)
+
+
+def always_fails(prompt, response, answer, finished):
+    raise ValueError("no verifier for this answer")
+
+
+_calls = 0

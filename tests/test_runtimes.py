@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from core.model.config import MODES, Scenario, TinyModelSpec, with_changes
+from core.model.user_code import UserCodeError
 from core.runtimes.dispatch import run_mode
 from harness.metrics import collect
 from harness.scenario import load
@@ -160,15 +161,32 @@ def test_serve_reward_matches_in_process(ray_session, tiny_model_dir):
 
 
 def test_reward_served_in_a_run(ray_session, tiny_model_dir):
-    """... with STRICT_PACK: engine and trainer on one node (not the driver's, which has no CPUs)."""
+    """... with STRICT_PACK: engine and trainer on one node (not the driver's, which has no CPUs).
+    The user's function fails now and then in the replica; with reward.on_error: skip the
+    groups it failed on are dropped with their reason, and nothing is lost."""
     sc = small("scenarios/real-cpu-vllm.yaml", tiny_model_dir, **{
         "engine.kind": "torch", "reward.serve": True, "trainer.steps": 2, "ray.placement_strategy": "STRICT_PACK",
+        "reward.fn": "tests.byo_reward:fails_now_and_then", "reward.on_error": "skip",
     })
     system = run_mode(sc, "async")
-    assert_accounted(system)
+    m = assert_accounted(system)
+    assert m["samples/dropped_reward_error"] >= sc.workload.group_size  # call 7 of the replica's first 40 failed
     nodes, driver = ran_on(system)
     assert nodes["rollouter"] == [driver]
     assert nodes["engine000"] == nodes["trainer"] != [driver], nodes
+
+
+def test_a_reward_that_fails_in_an_engine_actor_ends_the_run_in_one_line(ray_session, tiny_model_dir):
+    """Scored where the tokens are (the engine actors): the user's error crosses Ray as itself,
+    and the run ends with the guard's one line, not a restart of the engine."""
+    sc = small("scenarios/real-cpu-vllm.yaml", tiny_model_dir, **{
+        "engine.kind": "torch", "trainer.steps": 2, "trainer.batch_size": 16, "reward.fn": "tests.byo_reward:always_fails",
+    })
+    with pytest.raises(UserCodeError) as failed:
+        run_mode(sc, "async")
+    line = str(failed.value.plain())
+    assert line.startswith("reward.fn tests.byo_reward:always_fails: scoring sample "), line
+    assert "raised ValueError: no verifier for this answer; fix:" in line and "\n" not in line
 
 
 def test_weights_are_put_once_per_version(ray_session):
