@@ -9,7 +9,6 @@ from __future__ import annotations
 import codecs
 import copy
 import difflib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -19,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from core.model.config import ECHO_CHARS, REFUSED, ConfigError, Scenario, name_problem, safe_name, set_dotted, shown
 from core.model.env_config import EnvScenario
+from core.model.bounded_parse import TooNested, check_yaml_events, loads_json
 from core.model.regular_file import UnreadableFile, read_regular
 
 # Far above any scenario (a few KB, a few hundred values, 5 levels deep), far below what hurts.
@@ -76,33 +76,13 @@ _Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
 
 def _check_events(text: str) -> None:
     """Nesting depth and the number of values once aliases are expanded, counted on the event
-    stream (the parser is a loop, not a recursion): before the composer, which recurses per level,
-    and before anything walks a structure whose aliases multiply it."""
-    sizes: dict[str, int] = {}  # values an anchored node expands to
-    stack: list[list] = []  # [values so far, anchor] of each open collection
-    total = 0
-    for event in yaml.parse(text, Loader=_Loader):
-        if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
-            if len(stack) >= MAX_DEPTH:
-                raise _Refused(event.start_mark, f"values are nested more than {MAX_DEPTH} deep", "flatten it: a scenario is a few levels deep")
-            stack.append([1, event.anchor])
-            total += 1
-        elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
-            n, anchor = stack.pop()
-            if anchor is not None:
-                sizes[anchor] = n
-            if stack:
-                stack[-1][0] += n
-        elif isinstance(event, (yaml.ScalarEvent, yaml.AliasEvent)):
-            n = sizes.get(event.anchor, 1) if isinstance(event, yaml.AliasEvent) else 1
-            if isinstance(event, yaml.ScalarEvent) and event.anchor is not None:
-                sizes[event.anchor] = 1
-            total += n
-            if stack:
-                stack[-1][0] += n
-        if total > MAX_VALUES:
-            raise _Refused(event.start_mark, f"holds more than {MAX_VALUES:,} values once its aliases (*name) are expanded",
-                           "write the values out; a scenario holds a few hundred")
+    stream before the composer, which recurses per level, and before anything walks a structure
+    whose aliases multiply it (core/model/bounded_parse.py)."""
+    try:
+        check_yaml_events(text, MAX_DEPTH, MAX_VALUES, _Loader)
+    except TooNested as exc:
+        fix = "flatten it: a scenario is a few levels deep" if exc.bound == "depth" else "write the values out; a scenario holds a few hundred"
+        raise _Refused(exc.mark, exc.problem, fix) from None
 
 
 def _at(text: str, index: int) -> str:
@@ -286,7 +266,7 @@ def load_resolved(path: str | Path) -> Scenario:
     path = Path(path)
     fix = "resume a run directory that asyncrl wrote"
     try:
-        data = json.loads(read_regular(path, MAX_FILE_BYTES, fix))
+        data = loads_json(read_regular(path, MAX_FILE_BYTES, fix))
     except UnreadableFile as exc:
         raise ScenarioError(str(exc)) from None
     except (ValueError, RecursionError) as exc:

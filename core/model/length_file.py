@@ -8,13 +8,13 @@ uniform within a bin). The sim draws a length by its quantile function.
 
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import yaml
 
+from core.model.bounded_parse import MAX_DEPTH, TooNested, loads_json, loads_yaml
 from core.model.regular_file import UnreadableFile, read_regular
 
 
@@ -64,6 +64,7 @@ def _numbers(x: object, what: str) -> np.ndarray:
 
 
 MAX_FILE_BYTES = 256 << 20  # a histogram of a few thousand bins is kilobytes
+MAX_VALUES = 64 << 20  # a few aliases could otherwise stand for billions of lengths
 
 
 @lru_cache(maxsize=16)
@@ -75,7 +76,9 @@ def _load(path: str, mtime_ns: int) -> EmpiricalLengths:
     except UnicodeDecodeError as exc:
         raise LengthFileError(f"cannot be read ({type(exc).__name__})") from None
     try:
-        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+        data = loads_json(text) if path.endswith(".json") else loads_yaml(text, MAX_DEPTH, MAX_VALUES)
+    except TooNested as exc:
+        raise LengthFileError(str(exc)) from None
     except (ValueError, yaml.YAMLError) as exc:
         raise LengthFileError(f"not JSON or YAML ({str(exc).splitlines()[0]})") from None
     if isinstance(data, list):

@@ -9,11 +9,11 @@ reward compares the response with, and may be empty when a ``reward.fn`` needs n
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from core.model.bounded_parse import TooNested, loads_json
 from core.model.regular_file import UnreadableFile, read_regular
 
 FIELDS = ("prompt", "answer")
@@ -83,9 +83,12 @@ def _jsonl(path: Path) -> list[PromptRow]:
         if not raw.strip():
             continue
         try:
-            obj = json.loads(raw.decode("utf-8"))
+            obj = loads_json(raw.decode("utf-8"))
         except UnicodeDecodeError:
             raise PromptFileError(f"line {n}: not UTF-8") from None
+        except TooNested as exc:
+            raise PromptFileError(f"line {n}, column {exc.column}: {exc.problem}",
+                                  "a row is an object of strings, {\"prompt\": \"...\", \"answer\": \"...\"}") from None
         except ValueError as exc:
             raise PromptFileError(f"line {n}: not JSON ({exc})") from None
         rows.append(_row(obj, f"line {n}"))

@@ -18,19 +18,26 @@ class UnreadableFile(Exception):
         super().__init__(f"{path}: {problem}; fix: {fix}")
 
 
-def read_regular(path: str | Path, max_bytes: int, fix: str) -> bytes:
+def read_regular(path: str | Path, max_bytes: int, fix: str, *, follow_links: bool = True) -> bytes:
     """The bytes of ``path``; ``UnreadableFile`` if it is missing, not a regular file, not
-    readable or larger than ``max_bytes``. ``fix`` is what to do about a missing or wrong file."""
+    readable or larger than ``max_bytes``. ``fix`` is what to do about a missing or wrong file.
+    ``follow_links=False``: a symbolic link at ``path`` is refused, never followed (a file
+    asyncrl wrote itself is never one, so a link there points somewhere it should not read)."""
     path = Path(path)
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0)
+    if not follow_links:
+        flags |= os.O_NOFOLLOW
     try:
         # Non-blocking: opening a FIFO for reading would otherwise wait for a writer; the
         # descriptor's own stat then decides, so nothing can be swapped in between.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+        fd = os.open(path, flags)
     except FileNotFoundError:
         raise UnreadableFile(path, "no such file", fix) from None
     except PermissionError:
         raise UnreadableFile(path, "cannot be read (permission denied)", f"make it readable (chmod u+r), or {fix}") from None
     except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow_links:
+            raise UnreadableFile(path, "is a symbolic link, which asyncrl does not follow here", fix) from None
         if exc.errno == errno.ENOTDIR:
             raise UnreadableFile(path, "no such file (a part of the path is not a directory)", fix) from None
         raise UnreadableFile(path, f"cannot be opened ({exc.strerror})", fix) from None

@@ -22,8 +22,10 @@ import os
 import sys
 from pathlib import Path
 
+from core.model.bounded_parse import loads_json
 from core.model.config import TINY_MODEL_KIND, TinyModelSpec
 from core.model.owned import NotOwned, discard_owned, is_owned, make_owned, remove_owned
+from core.model.regular_file import UnreadableFile, read_regular
 from core.real.task import EOS, PAD, BOS, SPECIAL, corpus
 
 log = logging.getLogger(__name__)
@@ -87,8 +89,8 @@ def is_built(out: str | Path, spec: TinyModelSpec) -> bool:
     if not is_owned(Path(out), TINY_MODEL_KIND) or not stamp.is_file():
         return False
     try:
-        meta = json.loads(stamp.read_text())
-    except (OSError, ValueError):
+        meta = loads_json(read_regular(stamp, 1 << 20, "", follow_links=False))
+    except (UnreadableFile, ValueError):
         return False
     return meta.get("build") == BUILD_VERSION and meta.get("spec") == _built_from(spec)
 

@@ -32,6 +32,7 @@ from typing import Optional
 
 import numpy as np
 
+from core.model.bounded_parse import loads_json
 from core.model.group_wire import from_record, to_record
 from core.model.sample import Group
 from core.model.owned import discard_owned, is_owned, make_owned, remove_owned, remove_stale, umask_mode
@@ -144,7 +145,7 @@ def _read_state(rec: codec.Sample, snap: Snapshot) -> None:
     if not isinstance(text, str):
         raise codec.CodecError("state record without its JSON")
     try:
-        state = json.loads(text)
+        state = loads_json(text)
     except (ValueError, RecursionError) as exc:
         raise codec.CodecError(f"state JSON unreadable: {exc}") from None
     if not isinstance(state, dict):
