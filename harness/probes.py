@@ -17,15 +17,14 @@ never a run's held-out modes.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
 from core.api import Batch
 from core.model.config import LearnSpec, Scenario
+from core.model.model_dir import read_model_dir
 from core.model.sample import Group, Sample
 from core.real.engine_torch import TorchEngine
 from core.real.grpo import TorchTrainBackend
@@ -68,7 +67,7 @@ def step_seconds(model_dir: str, learn: LearnSpec, batch: Batch, threads: list[i
 def train_speedup(sc: Scenario, prompt_lens: list[int], response_lens: list[int], fitted_devices: int, devices: list[int]) -> tuple[dict[int, float], dict[int, float]]:
     """(speed relative to ``fitted_devices``, seconds per step) for every count in ``devices``."""
     model_dir = ensure_model_dir(sc)  # the model the measured run trained
-    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    vocab = read_model_dir(model_dir).vocab
     # Samples spread evenly over the run: lengths change as the policy learns.
     pick = np.linspace(0, len(response_lens) - 1, sc.trainer.batch_size).round().astype(int)
     batch = probe_batch([prompt_lens[i] for i in pick], [response_lens[i] for i in pick],
@@ -121,7 +120,7 @@ def engine_contention(sc: Scenario, engines: int, prompt_lens: list[int], respon
     in the process the other modes give it (one engine next to a one-device trainer that
     steps meanwhile), at equal batch sizes, alternated ``repeats`` times."""
     model_dir = str(ensure_model_dir(sc))
-    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    vocab = read_model_dir(model_dir).vocab
     pick = np.linspace(0, len(response_lens) - 1, sc.trainer.batch_size).round().astype(int)
     batch = probe_batch([prompt_lens[i] for i in pick], [response_lens[i] for i in pick],
                         sc.workload.group_size, sc.trainer.batch_size, vocab)

@@ -17,7 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from pydantic_core import PydanticCustomError
 
 from core.model.length_file import LengthFileError, read_lengths
-from core.model.model_dir import ModelDirError, check_loadable, read_model_dir
+from core.model.model_dir import ModelDirError, check_loadable, read_model_dir, read_tokenizer
 from core.model.owned import is_owned
 from core.model.prompt_file import PromptFileError, read_prompts
 from core.model.reward_fn import load_reward_fn
@@ -175,8 +175,10 @@ class ModelSpec(_Frozen):
     path: Optional[str] = None
     """A local Hugging Face causal-LM directory (config.json, *.safetensors weights, tokenizer
     files), relative to the working directory. The real runtimes train and serve it, loaded
-    from disk only (nothing is downloaded; asyncrl never writes into it). For the sim,
-    config.json alone is enough. None: the figures below, and the tiny model on real runtimes."""
+    from disk only (nothing is downloaded; asyncrl never writes into it), after the scenario
+    check has read every safetensors header and loaded its tokenizer, so a damaged directory is
+    refused in one line before anything runs. For the sim, config.json alone is enough. None:
+    the figures below, and the tiny model on real runtimes."""
     name: str = "Qwen2.5-7B"
     """A label for reports."""
     params_b: float = Field(7.62, gt=0)
@@ -495,6 +497,12 @@ class TaskSpec(_Frozen):
     eval_prompts: Optional[str] = None
     """Held-out prompts for ``eval`` when ``task.prompts`` is set, in the same format. None:
     the letters task's own held-out stream (with ``task.prompts``, no evaluation)."""
+    prompt_truncation: Literal["error", "left", "right"] = "error"
+    """What becomes of a prompt of ``prompts`` or ``eval_prompts`` longer than the model's
+    positions less ``workload.max_response_len`` (<bos> included): `error` refuses the scenario
+    before anything runs, naming the file and the line; `left` cuts tokens off its beginning,
+    keeping its end; `right` cuts them off its end, keeping its beginning (verl's
+    data.truncation). A run that cuts any says how many in a warning as it starts."""
 
     @model_validator(mode="after")
     def _prompt_files(self) -> "TaskSpec":
@@ -937,14 +945,20 @@ class Scenario(_Frozen):
                                   f"use at most {engines}, or leave sync out of modes")
 
     def _check_real_model(self) -> None:
-        """The model a real run loads is there and takes the longest sequence; the tiny model is
-        built only where asyncrl may write."""
+        """The model a real run loads is there, its tokenizer loads, and it takes the longest
+        sequence, a prompts file's counted with that tokenizer; the tiny model is built only
+        where asyncrl may write."""
         m, t, w = self.model, self.task, self.workload
+        counter = None
         if m.path is not None:
             try:
                 check_loadable(m.path)
+                # What loading it would raise at run time, in one line now.
+                counter = read_tokenizer(m.path, plain=is_owned(Path(m.path), TINY_MODEL_KIND))
             except ModelDirError as exc:
                 raise ConfigError("model.path", m.path, str(exc), "give a directory as save_pretrained writes it (safetensors weights and tokenizer)") from None
+            except UserCodeError as exc:
+                raise ConfigError("model.path", m.path, exc.problem, exc.fix) from None
             limit, key, raise_it = m.max_positions, "model.max_positions", ""
         else:
             _check_tiny_model_dir(self.tiny_model.path)
@@ -960,6 +974,39 @@ class Scenario(_Frozen):
         if t.prompts is not None and t.eval_prompts is None and self.eval.every:
             raise ConfigError("eval.every", self.eval.every, "with task.prompts, held-out prompts come from task.eval_prompts, and none is given",
                               "set task.eval_prompts to a file of held-out prompts, or eval.every: 0")
+        if counter is not None:
+            self.check_prompt_lengths(counter)
+
+    def check_prompt_lengths(self, counter) -> None:
+        """Every prompt of ``task.prompts`` and ``task.eval_prompts``, counted by ``counter`` (the
+        run's tokenizer, ``model_dir.read_tokenizer``), fits beside a response: ``ConfigError``
+        naming the file and line of the first that does not, unless ``task.prompt_truncation``
+        cuts them. A ``model.path``'s are counted with the scenario; the tiny model's as it is
+        built (core/real/hf_model.py ``ensure_model_dir``)."""
+        t, w = self.task, self.workload
+        if t.prompt_truncation != "error":
+            return
+        limit, key = (self.model.max_positions, "model.max_positions") if self.model.path is not None else (
+            self.tiny_model.max_positions, "tiny_model.max_positions")
+        room = self.real_max_positions - w.max_response_len
+        context = f"{key} = {limit}" if limit is not None else f"workload.prompt_tokens + workload.max_response_len = {self.real_max_positions}"
+        for name in ("prompts", "eval_prompts"):
+            file = getattr(t, name)
+            if file is None:
+                continue
+            rows = read_prompts(file)
+            try:
+                counts = counter.counts([r.prompt for r in rows])
+            except UserCodeError as exc:
+                raise ConfigError("model.path", self.real_model_path, exc.problem, exc.fix) from None
+            for row, n in zip(rows, counts):
+                if n > room:
+                    raise ConfigError(
+                        f"task.{name}", file, f"the prompt of {row.where} is {n} tokens, more than the {room} that {context} leaves "
+                        f"beside workload.max_response_len = {w.max_response_len}",
+                        "shorten or drop it, lower workload.max_response_len, or set task.prompt_truncation: left (keeps its end) "
+                        "or right (keeps its beginning)",
+                    )
 
     def _check_kv_fits(self) -> None:
         """vLLM refuses to start an engine that cannot hold its weights plus one sequence of

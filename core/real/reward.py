@@ -31,14 +31,15 @@ from core.real.task import FilePrompts, LetterPrompts, LetterScore, Task, exact_
 
 def make_task(sc: Scenario) -> Task:
     """The scenario's prompts and reward, on the tokenizer of the model the run loads."""
-    return task_from(sc.task, sc.seed, sc.real_model_path, sc.reward, sc.real_max_positions)
+    return task_from(sc.task, sc.seed, sc.real_model_path, sc.reward, sc.real_max_positions, sc.workload.max_response_len)
 
 
-def task_from(t: TaskSpec, seed: int, model_dir, reward: Optional[RewardSpec] = None, max_positions: Optional[int] = None) -> Task:
+def task_from(t: TaskSpec, seed: int, model_dir, reward: Optional[RewardSpec] = None, max_positions: Optional[int] = None,
+              max_response_len: int = 1) -> Task:
     """The task ``t`` on the tokenizer of ``model_dir``: the letters task unless ``t.prompts``
     names a file; scored by ``reward.fn`` (``module:function``, behind the guard) when given,
     else by the task's own reward. A response ends at the tokenizer's or the model config's
-    end-of-sequence token."""
+    end-of-sequence token; a file's prompts leave it ``max_response_len`` of ``max_positions``."""
     tok = load_tokenizer(model_dir)
     if t.prompts is None:
         prompts = LetterPrompts(seed, t.alphabet, t.min_letters, t.max_letters)
@@ -62,6 +63,8 @@ def task_from(t: TaskSpec, seed: int, model_dir, reward: Optional[RewardSpec] = 
         bos_id=tok.bos_token_id,
         eos_ids=eos,
         max_positions=max_positions,
+        max_response_len=max_response_len,
+        truncation=t.prompt_truncation,
         skip_failed=reward.on_error == "skip",
     )
 

@@ -136,38 +136,60 @@ class Task:
     """
 
     def __init__(self, prompts, score: Callable[..., float], encode, decode, bos_id: Optional[int], eos_ids,
-                 max_positions: Optional[int] = None, skip_failed: bool = False) -> None:
+                 max_positions: Optional[int] = None, skip_failed: bool = False, max_response_len: int = 1,
+                 truncation: str = "error") -> None:
         """``encode(text) -> list[int]`` and ``decode(ids) -> str`` come from the tokenizer;
-        ``max_positions``: the model's, which a file's prompts must leave room in;
+        ``max_positions``: the model's, in which a file's prompts must leave ``max_response_len``
+        for a response, else are cut as ``truncation`` says (``task.prompt_truncation``);
         ``skip_failed``: a reward function that fails gives ``REWARD_FAILED`` (its group is
         dropped) instead of raising (``reward.on_error: skip``)."""
         self.skip_failed = skip_failed
         self.prompts = prompts
         self.max_positions = max_positions
+        self.max_response_len = max_response_len
+        self.truncation = truncation
         self.score = score
         self._encode = encode
         self._decode = decode
         self._bos = [] if bos_id is None else [int(bos_id)]
         self._eos = frozenset(int(e) for e in eos_ids)
+        # Tokens a prompt's text may have: <bos> and the response take the rest of the positions.
+        self._text_room = None if max_positions is None else max(max_positions - max_response_len - len(self._bos), 0)
 
     def prompt_text(self, prompt_id: int, held_out: bool = False) -> str:
         return self.prompts.text(prompt_id, held_out)
 
     def tokens(self, prompt_id: int, held_out: bool = False) -> np.ndarray:
-        """The prompt's token ids, <bos> first."""
-        return np.asarray(self._bos + list(self._encode(self.prompt_text(prompt_id, held_out))), dtype=np.int64)
+        """The prompt's token ids, <bos> first; a text longer than the positions a response leaves
+        it is cut on the left (its end kept) or the right (its beginning kept), as ``truncation``
+        says."""
+        ids = list(self._encode(self.prompt_text(prompt_id, held_out)))
+        room = self._text_room
+        if room is not None and len(ids) > room and self.truncation != "error":
+            ids = ids[len(ids) - room:] if self.truncation == "left" else ids[:room]
+        return np.asarray(self._bos + ids, dtype=np.int64)
 
     def check_lengths(self) -> None:
-        """Every prompt of a file leaves the model room for a response: ``ValueError`` naming
-        the first that does not (the letters task's are checked with the scenario)."""
-        if not isinstance(self.prompts, FilePrompts) or self.max_positions is None:
+        """Every prompt of a file fits beside a response in the model's positions: ``ValueError``
+        naming the first that does not, or, when ``truncation`` cuts them, a warning saying how
+        many are cut. A ``model.path``'s prompts are refused with the scenario already; the tiny
+        model's tokenizer is built with the run, so its prompts are counted here (the letters
+        task's fit by construction)."""
+        room = self._text_room
+        if not isinstance(self.prompts, FilePrompts) or room is None:
             return
         for key, rows in (("task.prompts", self.prompts.rows), ("task.eval_prompts", self.prompts.eval_rows or ())):
-            for row in rows:
-                n = len(self._bos) + len(self._encode(row.prompt))
-                if n >= self.max_positions:
-                    raise ValueError(f"{key}: the prompt of {row.where} is {n} tokens, leaving no room for a response in the "
-                                     f"model's {self.max_positions} positions; fix: shorten or drop it")
+            over = [(row, n) for row in rows if (n := len(self._encode(row.prompt))) > room]
+            if not over:
+                continue
+            if self.truncation == "error":
+                row, n = over[0]
+                raise ValueError(f"{key}: the prompt of {row.where} is {n + len(self._bos)} tokens, leaving no room for a response of "
+                                 f"workload.max_response_len = {self.max_response_len} in the model's {self.max_positions} positions; "
+                                 "fix: shorten or drop it, or set task.prompt_truncation: left or right")
+            log.warning("%s: %d of its %d prompts are longer than the %d tokens the model's %d positions leave beside a response of %d; "
+                        "each is cut to its %s %d tokens (task.prompt_truncation: %s)", key, len(over), len(rows), room + len(self._bos),
+                        self.max_positions, self.max_response_len, "last" if self.truncation == "left" else "first", room, self.truncation)
 
     def reward(self, prompt_id: int, response_tokens: Sequence[int], held_out: bool = False, sample: Optional[int] = None) -> float:
         """The reward of a response (``sample``: its uid, named if a reward function fails on it)."""
