@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -22,8 +23,10 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from core.env.footprint import check_memory
 from core.env.sync_loop import EnvCurve, run_sync
 from core.env.wiring import env_space
+from core.model.config import ECHO_CHARS, ConfigError, shown
 from core.model.env_config import EnvScenario
 from core.model.progress import ProgressFn
 from core.runtimes.ray import cluster
@@ -36,7 +39,7 @@ from harness.scenario import ScenarioError, Variant
 from harness.plots import RETURN_FIGURES, env_timeline_png, env_window, reward_curves_png
 from harness.trace import env_trace, write_trace
 
-__all__ = ["check_new", "check_resume", "main", "metrics", "run_one", "table"]  # check_resume: the store's, for harness.run
+__all__ = ["check_new", "check_places", "check_resume", "main", "metrics", "run_one", "table"]  # check_resume: the store's, for harness.run
 
 SCHEMA = "asyncrl.env-report/1"
 # Figures reported per run and, over seeds, with their spread.
@@ -110,13 +113,38 @@ def check_new(variants: list[Variant], args) -> None:
     if sc.runtime == "sim" and sc.sim.row_bytes is not None and sc.sim.param_bytes is not None:
         return  # env.id is then a label: the sim never makes the environment
     try:
-        env_space(sc)  # the environment is made once here, so a bad id is refused before anything runs
+        space = env_space(sc)  # the environment is made once here, so a bad id is refused before anything runs
     except ValueError as exc:  # one the wiring refused, with its fix
         raise ScenarioError(str(exc)) from None
     except (gym.error.Error, ImportError) as exc:
         reason = " ".join(str(exc).split())
-        raise ScenarioError(f"env.id = {sc.env.id!r}: {reason}; fix: a gymnasium id with a vector observation, e.g. "
+        raise ScenarioError(f"env.id = {shown(sc.env.id)}: {_clip(reason)}; fix: a gymnasium id with a vector observation, e.g. "
                             "CartPole-v1 (MuJoCo ids such as HalfCheetah-v5 need: pip install -e '.[mujoco]')") from None
+    except Exception as exc:  # noqa: BLE001 - a user's env that fails to build: one line, not its traceback
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())
+        raise ScenarioError(f"env.id = {shown(sc.env.id)}: making it failed ({_clip(reason)}); fix: make the env build with "
+                            "gymnasium.make alone, or use another id") from None
+    check_places(sc)
+    try:
+        check_memory(sc, space)
+    except ConfigError as exc:
+        raise ScenarioError(str(exc)) from None
+
+
+def _clip(text: str) -> str:
+    """An exception's message cut short: the line never echoes a page of it."""
+    return text if len(text) <= ECHO_CHARS else text[: ECHO_CHARS - 3] + "..."
+
+
+def check_places(sc: EnvScenario) -> None:
+    """A run on a local Ray instance whose actors could not all be placed, refused before
+    ``ray.init`` starts it; a joined cluster is asked once connected (``check_fits`` in ``main``)."""
+    if "async" not in sc.modes or sc.runtime != "ray" or sc.ray.address is not None:
+        return
+    try:
+        check_fits(sc, local_cpus=float(sc.ray.num_cpus or os.cpu_count() or 1))  # what start_cluster gives it
+    except PlacementError as exc:
+        raise ScenarioError(str(exc)) from None
 
 
 def run_one(sc: EnvScenario, mode: str, seed: int, workdir: Path, stop_at_version: Optional[int] = None,

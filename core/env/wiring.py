@@ -28,6 +28,7 @@ from core.env.rate_limiter import RateLimiter
 from core.env.sampler import EnvSampler, NStepRows, SegmentRows
 from core.env.segment_queue import SegmentQueue
 from core.env.transition_replay import TransitionReplay
+from core.model.config import ConfigError, shown
 from core.model.env_config import EnvScenario
 
 # Seeds of the parts of one run, apart so that no two draw the same random stream.
@@ -43,14 +44,50 @@ class EnvSpace:
     actions: int
     """Discrete: how many actions; continuous: the action vector's size."""
     discrete: bool
+    obs_itemsize: int = 4
+    """Bytes of one observation number as the environment returns it (its Box's dtype)."""
+    max_episode_steps: Optional[int] = None
+    """The id's time limit (its registered ``max_episode_steps``); None: episodes have none."""
+
+
+OBS_TAKEN = "a Box of one dimension (a vector of numbers: the networks are MLPs, the replay stores it as a column)"
+ACTIONS_TAKEN = "Discrete(n) from 0, or for PPO a Box of one dimension of floats"
 
 
 def env_space(sc: EnvScenario) -> EnvSpace:
     """The scenario's environment's spaces, refused here if its learner cannot act in them."""
     space = _spaces(sc.env.id)
     if sc.learner == "dqn" and not space.discrete:
-        raise ValueError(f"env.id = {sc.env.id!r}: DQN needs discrete actions; fix: use learner: ppo for continuous ones")
+        raise ConfigError("env.id", sc.env.id, "DQN needs discrete actions",
+                          f"use learner: ppo for continuous ones (its actions are a vector of {space.actions} float{'s' if space.actions > 1 else ''})")
+    limit, n = space.max_episode_steps, sc.env.n_step
+    if sc.learner == "dqn" and limit is not None and n > limit:
+        # Such rows equal those of n_step = limit, while the rate limit's band, sized for a chunk
+        # that releases every row still pending, grows with n_step until the learner runs for hours alone.
+        raise ConfigError(
+            "env.n_step", n, f"the episodes of {shown(sc.env.id)} end by step {limit:,} (its time limit), so every row past "
+            f"{limit:,} steps already sums to its episode's end, and the rate limit, sized for chunks of up to "
+            f"{sc.max_chunk_rows():,} rows, would let the learner take {int(sc.band_needed() // sc.dqn.batch_size):,} "
+            "updates between two chunks", f"use at most {limit:,} (Ape-X uses 3)",
+        )
     return space
+
+
+def describe_space(space: gym.Space) -> str:
+    """A space in a few words, never its bounds: what an error line shows of it."""
+    kind = type(space).__name__
+    if isinstance(space, gym.spaces.Box):
+        return f"a Box of shape {space.shape} ({space.dtype})"
+    if isinstance(space, gym.spaces.Discrete):
+        return f"Discrete({int(space.n)}" + (f", start={int(space.start)})" if int(space.start) else ")")
+    if isinstance(space, (gym.spaces.MultiDiscrete, gym.spaces.MultiBinary)):
+        return f"a {kind} of shape {tuple(space.shape)}"
+    if isinstance(space, gym.spaces.Tuple):
+        parts = [type(s).__name__ for s in space.spaces]
+        return f"a Tuple of {len(parts)} spaces ({shown(parts)[1:-1]})"
+    if isinstance(space, gym.spaces.Dict):
+        return f"a Dict of {len(space.spaces)} spaces (keys {shown(list(space.spaces))[1:-1]})"
+    return f"a {kind}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,15 +97,18 @@ def _spaces(env_id: str) -> EnvSpace:
     env = gym.make(env_id)
     try:
         obs, act = env.observation_space, env.action_space
-        if len(obs.shape) != 1:
-            raise ValueError(f"env.id = {env_id!r}: the networks need a vector observation, got {obs}; fix: a vector-observation env")
-        if isinstance(act, gym.spaces.Discrete):
-            return EnvSpace(int(obs.shape[0]), int(act.n), True)
-        if isinstance(act, gym.spaces.Box) and len(act.shape) == 1:
-            return EnvSpace(int(obs.shape[0]), int(act.shape[0]), False)
-        raise ValueError(f"env.id = {env_id!r}: needs discrete actions or a vector of continuous ones, got {act}; fix: another env")
+        limit = env.spec.max_episode_steps if env.spec is not None else None
     finally:
         env.close()
+    if not (isinstance(obs, gym.spaces.Box) and len(obs.shape) == 1 and obs.shape[0] >= 1):
+        raise ConfigError("env.id", env_id, f"its observation space is {describe_space(obs)}, and the pipeline takes {OBS_TAKEN}",
+                          "register an id that wraps the env in gymnasium.wrappers.FlattenObservation, or use a vector-observation env")
+    if isinstance(act, gym.spaces.Discrete) and int(act.start) == 0:
+        return EnvSpace(int(obs.shape[0]), int(act.n), True, obs.dtype.itemsize, limit)
+    if isinstance(act, gym.spaces.Box) and len(act.shape) == 1 and act.shape[0] >= 1 and np.issubdtype(act.dtype, np.floating):
+        return EnvSpace(int(obs.shape[0]), int(act.shape[0]), False, obs.dtype.itemsize, limit)
+    raise ConfigError("env.id", env_id, f"its action space is {describe_space(act)}, and the samplers act in {ACTIONS_TAKEN}",
+                      "register an id that wraps the env to take such actions, or use another env")
 
 
 def make_policy(sc: EnvScenario, seed: int, sampler_id: int) -> Union[EpsilonGreedy, StochasticPolicy]:
@@ -111,7 +151,11 @@ def make_queue(sc: EnvScenario, journal_dir: Optional[Path] = None) -> SegmentQu
 
 def replay_spec(sc: EnvScenario) -> dict[str, tuple]:
     """The replay's columns: a sampler chunk's rows and their versions."""
-    obs_dim = env_space(sc).obs_dim
+    return replay_columns(env_space(sc).obs_dim)
+
+
+def replay_columns(obs_dim: int) -> dict[str, tuple]:
+    """``replay_spec`` for an observation of ``obs_dim`` numbers."""
     return {
         "obs": ((obs_dim,), np.float32), "action": ((), np.int64), "reward": ((), np.float32),
         "next_obs": ((obs_dim,), np.float32), "discount": ((), np.float32), "logp": ((), np.float32),

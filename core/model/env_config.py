@@ -13,9 +13,10 @@ rows and prioritized replay.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from core.model.config import (
     MAX_BYTES, MAX_DEVICES, MAX_DIM, MAX_ENV_STEPS, MAX_INT, MAX_SAMPLES, MAX_SEEDS, MAX_STEPS,
@@ -26,12 +27,21 @@ EnvMode = Literal["sync", "async"]
 ENV_MODES: tuple[str, ...] = ("sync", "async")
 LearnerKind = Literal["dqn", "ppo"]
 
+MAX_ALPHA = 7.0
+"""PER's largest priority exponent. The learner sends |TD error| + 1e-3 as a row's priority
+(core/env/dqn.py MIN_PRIORITY), its TD error a finite float32, so a priority lies in [1e-3,
+3.4e38]; the replay takes p ** alpha only up to the largest double over twice its sum tree's
+leaves (ext/_replay_ref.py), 1.8e308 / 2**25 = 5.4e300 at its most rows (2**24 leaves). 3.4e38 **
+7 = 5.3e269 fits; from 7.8 on a priority the learner can send would be refused mid-run. PER
+uses 0.6 (Schaul et al. 2016); past a few, sampling already takes nearly only the top row."""
+
 
 class EnvSpec(_Frozen):
     """The environments and the samplers that step them."""
 
     id: str = "CartPole-v1"
-    """A gymnasium environment id with a vector observation and discrete actions."""
+    """A gymnasium environment id with a vector observation (a Box of one dimension) and
+    Discrete actions, or for PPO a Box of one dimension of float actions (core/env/wiring.py)."""
     samplers: int = Field(1, ge=1, le=MAX_DEVICES)
     """Sampler actors in async mode (sync mode steps one sampler's environments in the learner's thread)."""
     envs_per_sampler: int = Field(8, ge=1, le=MAX_SAMPLES)
@@ -145,8 +155,8 @@ class ReplayLimitSpec(_Frozen):
     """Rows the replay holds; the oldest are overwritten."""
     prioritized: bool = True
     """Draw rows in proportion to priority ** alpha (PER), else uniformly."""
-    alpha: float = Field(0.6, ge=0)
-    """PER's priority exponent."""
+    alpha: float = Field(0.6, ge=0, le=MAX_ALPHA)
+    """PER's priority exponent, at most ``MAX_ALPHA``."""
     beta_start: float = Field(0.4, ge=0, le=1)
     """PER's importance-weight exponent at the start; it rises linearly to 1 over the run."""
     samples_per_insert: float = Field(32.0, gt=0)
@@ -161,6 +171,22 @@ class ReplayLimitSpec(_Frozen):
     error_buffer: float | None = Field(None, ge=0)
     """How far, in samples, the run may drift from the ratio before the side ahead waits. None: the
     smallest band that holds one chunk's insert and one sample, the tightest that cannot deadlock."""
+
+    @field_validator("alpha", mode="before")
+    @classmethod
+    def _alpha_fits(cls, value: object) -> object:
+        # Before the bound and the magnitude rule, so that the line says why, not only how far.
+        try:
+            a = float(value) if isinstance(value, (int, float, str)) and not isinstance(value, bool) else math.nan
+        except (ValueError, OverflowError):
+            return value  # not a number: pydantic's type error says so
+        if math.isfinite(a) and a > MAX_ALPHA:
+            raise ConfigError(
+                "replay.alpha", value, f"every priority is raised to alpha, and above {MAX_ALPHA:g} one the learner can send "
+                "(|TD error| + 0.001, up to float32's 3.4e38) would overflow the replay's sum tree mid-run",
+                f"use at most {MAX_ALPHA:g} (PER uses 0.6)",
+            )
+        return value
 
 
 class EnvRaySpec(_Frozen):

@@ -848,15 +848,26 @@ def _sampler_result(i, ref, sampler, restarts, store, learner, patience, ppo) ->
     return ray.get(ref)
 
 
-def check_fits(sc: EnvScenario) -> None:
+def check_fits(sc: EnvScenario, local_cpus: Optional[float] = None) -> None:
     """Refuse, before any actor starts, a run whose actors cannot all be placed: Ray would keep
-    the extra ones pending and the run would never end."""
-    need = sc.env.samplers * sc.ray.sampler.num_cpus + sc.ray.learner.num_cpus + sc.ray.replay.num_cpus
-    have = ray.cluster_resources().get("CPU", 0.0)
+    the extra ones pending and the run would never end. ``local_cpus``: the CPUs of the local
+    instance the run is about to start, so that it is refused before ``ray.init`` (which logs
+    a line of its own); None, or Ray already connected (the run then joins that instance): ask
+    the cluster."""
+    r = sc.ray
+    need = sc.env.samplers * r.sampler.num_cpus + r.learner.num_cpus + r.replay.num_cpus
+    if ray.is_initialized():
+        local_cpus = None
+    have = ray.cluster_resources().get("CPU", 0.0) if local_cpus is None else local_cpus
     if need > have:
+        where = (f"the Ray cluster has {have:g}" if local_cpus is None
+                 else f"the local Ray instance would have {have:g} (ray.num_cpus, else this machine's cores)")
+        room = have - r.learner.num_cpus - r.replay.num_cpus
+        most = int(room // r.sampler.num_cpus) if r.sampler.num_cpus > 0 else 0
+        fix = (f"use at most {most} sampler{'s' if most > 1 else ''}, or a smaller ray.sampler.num_cpus" if most >= 1
+               else "lower ray.learner.num_cpus and ray.replay.num_cpus, or give Ray more CPUs (ray.num_cpus)")
         raise PlacementError(
-            f"env.samplers = {sc.env.samplers}: the samplers, learner and replay reserve {need:g} CPUs and the "
-            f"Ray cluster has {have:g}; fix: fewer samplers, or a smaller ray.sampler.num_cpus"
+            f"env.samplers = {sc.env.samplers}: the samplers, learner and replay reserve {need:g} CPUs and {where}; fix: {fix}"
         )
 
 
