@@ -33,7 +33,9 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from core.model.bounded_parse import TooNested, loads_yaml
 from core.model.config import ConfigError, Placement, Scenario
+from core.model.regular_file import UnreadableFile, read_regular
 from core.runtimes.sim import run_sim
 from core.sim.phase_fit import fit_phases
 from harness import report
@@ -42,6 +44,7 @@ from harness.probes import engine_contention, train_speedup
 
 # The sections of a real run's scenario that a sim run does not read.
 _REAL_ONLY = ("engine", "tiny_model", "task", "learn", "eval", "ray", "reward")
+PHASES_BYTES = 1 << 20  # a table of phase times is a few KB
 _COMPARED = ("throughput/trained_samples_per_s", "throughput/trained_tokens_per_s", "latency/step_mean_s")
 
 
@@ -216,10 +219,10 @@ def load_spans(run_dir: Path, mode: str) -> dict:
         hint = f"modes with spans: {', '.join(have)}" if have else "only real runs (local, ray) write spans.json"
         raise CalibrationError(f"{path}: missing ({hint}); fix: run the scenario with harness.run on a real runtime")
     try:
-        spans = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise CalibrationError(f"{path}: unreadable ({type(exc).__name__}); fix: run the scenario again") from None
-    if not isinstance(spans, dict) or spans.get("schema") != SCHEMA:
+        spans = report.read_json(path, "run the scenario again")
+    except report.ReportError as exc:
+        raise CalibrationError(str(exc)) from None
+    if spans.get("schema") != SCHEMA:
         raise CalibrationError(f"{path}: not a spans file of schema {SCHEMA}; fix: run the scenario again with this version")
     return spans
 
@@ -266,7 +269,10 @@ def predict(run_dir: Path, scenario: Scenario, fitted_mode: str) -> list[dict]:
         rep = run_dir / mode / "report.json"
         if not rep.is_file():
             continue
-        measured = json.loads(rep.read_text())["metrics"]
+        try:
+            measured = report.read_json(rep, "run the scenario again")["metrics"]
+        except (report.ReportError, KeyError) as exc:
+            raise CalibrationError(f"{rep}: not a report of this run ({exc}); fix: run the scenario again") from None
         predicted = report.build(scenario, run_sim(scenario, mode), {})["metrics"]
         row = {"mode": mode, "held_out": mode != fitted_mode}
         for k in _COMPARED:
@@ -326,10 +332,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _phases(path: Path, console: Console) -> int:
+    fix = "pass a YAML file of phase times"
     try:
-        table = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise CalibrationError(f"{path}: not readable YAML ({type(exc).__name__}); fix: pass a YAML file of phase times") from None
+        # A table of phase times is a few levels and a few dozen values.
+        table = loads_yaml(read_regular(path, PHASES_BYTES, fix).decode("utf-8"), max_depth=8, max_values=100_000)
+    except UnreadableFile as exc:
+        raise CalibrationError(str(exc)) from None
+    except TooNested as exc:
+        raise CalibrationError(f"{path}: {exc}; fix: {fix}") from None
+    except (UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise CalibrationError(f"{path}: not readable YAML ({type(exc).__name__}); fix: {fix}") from None
     if not isinstance(table, dict):
         raise CalibrationError(f"{path}: not a table of phase times (a YAML mapping); fix: see scenarios/published/")
     try:

@@ -32,7 +32,9 @@ import time
 from pathlib import Path
 from typing import Optional, Protocol
 
+from core.model.bounded_parse import TooNested, loads_json
 from core.model.progress import PolicyEvaluated, Progress, StepTrained, VersionPublished, WeightsSynced
+from core.model.regular_file import UnreadableFile, read_regular
 from core.store.checkpoint import write_atomic
 from harness.extras import installed
 from harness.scenario import ScenarioError
@@ -49,6 +51,14 @@ PACKAGES = {
 AXIS = {"step": "step", "sync": "version", "publish": "env/steps", "eval": "env/steps"}
 TENSORBOARD_FLUSH_S = 2  # TensorBoard's own reload period is 30 s: this is live enough
 TENSORBOARD_QUEUE = 100  # events the writer's thread may lag behind before a step waits for it
+MAX_FILE_BYTES = 1 << 30  # metrics.jsonl read back on resume: a line per step, never near this
+# How every line asyncrl writes begins (as_line puts the event first): what a line a kill cut
+# short at the end of the file must start with to be taken for one.
+_LINE_HEAD = b'{"event": "'
+
+
+class MetricsFileError(ValueError):
+    """A metrics.jsonl a resume cannot go on from: the file, the line, what and the fix."""
 
 
 def check_loggers(loggers: tuple[str, ...]) -> None:
@@ -193,7 +203,7 @@ class MetricsStream:
     def __init__(self, where: Path, loggers: tuple[str, ...], *, root: Path, name: str, group: str, mode: str,
                  config: dict, resume: bool = False) -> None:
         self.path = where / METRICS_FILE
-        self.earlier: Optional[list[dict]] = _read_lines(self.path) if resume else None
+        self.earlier: Optional[list[dict]] = read_history(self.path) if resume else None
         if resume:
             for old in where.glob(TENSORBOARD_FILES):  # written anew from the history kept
                 old.unlink()
@@ -256,15 +266,67 @@ class MetricsStream:
         self.sinks = []
 
 
-def _read_lines(path: Path) -> list[dict]:
-    """The lines a stopped run wrote, up to one a kill cut short."""
+def read_history(path: Path) -> list[dict]:
+    """The lines a stopped mode wrote to ``path`` (its metrics.jsonl; none if there is none),
+    which its resume keeps: every line one asyncrl writes, but for a last one a kill cut short.
+    ``MetricsFileError`` names the file and the line of anything else, so that a resume refuses
+    it before anything runs (harness/run.py), instead of a traceback once the mode goes on."""
+    if not os.path.lexists(path):
+        return []
+    fix = "delete it (the resumed mode then keeps none of its figures from before the checkpoint), or start the run again"
+    try:
+        data = read_regular(path, MAX_FILE_BYTES, fix, follow_links=False)
+    except UnreadableFile as exc:
+        raise MetricsFileError(str(exc)) from None
+    lines = data.split(b"\n")
     rows = []
-    for text in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        where = f"line {n}"
         try:
-            rows.append(json.loads(text))
-        except json.JSONDecodeError:
-            break
+            line = loads_json(raw)
+            problem = _line_problem(line)
+        except UnicodeDecodeError as exc:
+            problem = f"byte {exc.start} of the line is not UTF-8"
+        except TooNested as exc:
+            where, problem = f"line {n}, column {exc.column}", exc.problem
+        except ValueError as exc:
+            problem = f"not JSON ({str(exc)[:80]})"
+        if problem is None:
+            rows.append(line)
+        elif n == len(lines) and (raw.startswith(_LINE_HEAD) or _LINE_HEAD.startswith(raw)):
+            break  # the last line, unterminated: a write the kill cut short
+        else:
+            raise MetricsFileError(f"{path}: {where}: {problem}, not a line asyncrl writes; fix: {fix}")
     return rows
+
+
+def _line_problem(line: object) -> Optional[str]:
+    """What keeps ``line`` from being one ``as_line`` wrote (what the resume's loggers and
+    ``_position`` read of it); None if nothing."""
+    if not isinstance(line, dict):
+        return f"a JSON {type(line).__name__}, not an object"
+    event = line.get("event")
+    if not isinstance(event, str) or event not in AXIS:
+        return f"event = {str(event)[:40]!r} is not one of {', '.join(AXIS)}"
+    axis = AXIS[event]
+    for key in (axis, "unix_s"):
+        if key not in line:
+            return f"it has no {key}"
+    for key, value in line.items():
+        if key == "event" or (value is None and key not in (axis, "unix_s")):
+            continue
+        whole = key in (axis, "version")
+        if not _is_number(value, whole):
+            return f"{key[:40]} = {str(value)[:40]} is not a {'whole ' if whole else ''}number"
+    return None
+
+
+def _is_number(value: object, whole: bool) -> bool:
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (not whole and isinstance(value, float))
 
 
 def _position(line: dict) -> tuple:

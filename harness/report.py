@@ -14,11 +14,14 @@ import numpy as np
 
 from core.model.config import Scenario
 from core.model.result import RunResult
+from core.model.bounded_parse import loads_json
+from core.model.regular_file import UnreadableFile, read_regular
 from core.store.checkpoint import write_atomic
 from harness.metrics import bounds, collect, series
 from ext import codec, replay, squeue
 
 SCHEMA = "asyncrl.report/1"
+MAX_READ_BYTES = 1 << 30  # a report read back: its series grow with the run, never near this
 SUMMARY_SCHEMA = "asyncrl.summary/1"
 SUMMARY_KEYS = (
     "throughput/trained_samples_per_s",
@@ -190,8 +193,58 @@ def write_json(path: Path, data: dict) -> None:
     write_atomic(path, (json.dumps(data, indent=2, sort_keys=False) + "\n").encode())
 
 
-def read_json(path: Path) -> dict:
-    return json.loads(path.read_text())
+class ReportError(ValueError):
+    """A report (or summary) that cannot be read back: the file, what and the fix, one line."""
+
+
+def read_json(path: Path, fix: str = "delete it, or start the run again") -> dict:
+    """A JSON object asyncrl wrote: a regular file, never a link, of bounded size and nesting;
+    ``ReportError`` naming the file (and line) for anything else."""
+    try:
+        data = loads_json(read_regular(path, MAX_READ_BYTES, fix, follow_links=False))
+    except UnreadableFile as exc:
+        raise ReportError(str(exc)) from None
+    except UnicodeDecodeError as exc:
+        raise ReportError(f"{path}: byte {exc.start} is not UTF-8, so not JSON asyncrl wrote; fix: {fix}") from None
+    except json.JSONDecodeError as exc:
+        raise ReportError(f"{path}: line {exc.lineno}, column {exc.colno}: not JSON ({exc.msg}); fix: {fix}") from None
+    except ValueError as exc:  # nested past the bound
+        raise ReportError(f"{path}: {exc}; fix: {fix}") from None
+    if not isinstance(data, dict):
+        raise ReportError(f"{path}: a JSON {type(data).__name__}, not the object asyncrl writes; fix: {fix}")
+    return data
+
+
+def read_report(path: Path, schema: str, mode: str, *, numbers: tuple[str, ...] = (), metrics: tuple[str, ...] = (),
+                series: tuple[str, ...] = (), fix: str) -> dict:
+    """A finished mode's report, as a resume keeps it: ``read_json``, and holding what the
+    summary reads of it (``schema`` and ``mode`` as given; a ``metrics`` object with each of
+    ``numbers`` a number and each of ``metrics`` present; a ``series`` object with each of
+    ``series`` a list; a ``scenario`` object). ``ReportError`` names the first thing amiss."""
+    rep = read_json(path, fix)
+
+    def refuse(problem: str) -> ReportError:
+        return ReportError(f"{path}: {problem}; fix: {fix}")
+
+    if rep.get("schema") != schema:
+        got = f"schema = {str(rep['schema'])[:40]!r}" if "schema" in rep else "no schema"
+        raise refuse(f"not a report asyncrl wrote ({got}, not {schema!r})")
+    if rep.get("mode") != mode:
+        raise refuse(f"the report of mode {str(rep.get('mode'))[:40]!r}, not of mode {mode!r}")
+    for key in ("metrics", "series", "scenario"):
+        if not isinstance(rep.get(key), dict):
+            raise refuse(f"{key} is not an object")
+    for key in numbers:
+        value = rep["metrics"].get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise refuse(f"metrics.{key} = {str(value)[:40]} is not a number")
+    for key in metrics:
+        if key not in rep["metrics"]:
+            raise refuse(f"metrics has no {key}")
+    for key in series:
+        if not isinstance(rep["series"].get(key), list):
+            raise refuse(f"series.{key} is not a list")
+    return rep
 
 
 def variants_summary(sc: Scenario, entries: dict[str, tuple[dict, dict]]) -> dict:

@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import logging
+import os
+import re
 import sys
+import typing
 import warnings
 from datetime import datetime
 from pathlib import Path
@@ -44,7 +48,7 @@ from harness.console import (
     ModeProgress, comparison_table, faults_table, honesty_lines, implied_mfu_lines, published_table, seeds_table, target_table,
 )
 from harness.gpu_sampler import NvmlSampler
-from harness.live_metrics import MetricsStream, check_loggers
+from harness.live_metrics import METRICS_FILE, MetricsFileError, MetricsStream, check_loggers, read_history
 from harness.metrics import reward_curve
 from harness.plots import reward_curves_png, reward_png, timeline_png
 from harness.profiler import Profiler
@@ -60,12 +64,48 @@ from harness.trace import llm_trace, write_trace
 SCENARIO_FILE = "scenario.json"  # the resolved scenario of a run written in place (resumable)
 
 
+# An example of each option that takes a value, for the fix of an argument error.
+_EXAMPLES = {"--resume": "--resume runs/my-run", "--stop-at-step": "--stop-at-step 6", "--out": "--out runs/my-run",
+             "--set": "--set trainer.steps=100"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with every error one line with its fix (``ScenarioError``), not the usage."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise ScenarioError(_argument_error(message, [o for a in self._actions for o in a.option_strings]))
+
+
+def _argument_error(message: str, options: list[str]) -> str:
+    message = " ".join(message.split())
+    message = message if len(message) <= 200 else message[:197] + "..."  # a long value is echoed, never whole
+    if message.startswith("unrecognized arguments: "):
+        given = message.split(": ", 1)[1].split()[0]
+        close = difflib.get_close_matches(given.split("=")[0], options, n=1, cutoff=0.75)
+        fix = f"did you mean {close[0]}?" if close else f"drop it; the options are {', '.join(o for o in options if o.startswith('--'))}"
+        return f"{given}: not an argument python -m harness.run takes (one scenario file, then options); fix: {fix}"
+    option = message[len("argument "):].split(":", 1)[0].split("/")[-1] if message.startswith("argument ") else None
+    example = _EXAMPLES.get(option, "")
+    if "invalid int value" in message or "not a whole number" in message:
+        return f"{message}; fix: give a whole number, e.g. {example}"
+    if "expected one argument" in message:
+        return f"{message}; fix: give it a value, e.g. {example}" if example else f"{message}; fix: give it a value"
+    return f"{message}; fix: see python -m harness.run --help"
+
+
+def _whole_number(text: str) -> int:
+    """A count given on the command line: digits, few enough to echo back in an error."""
+    if re.fullmatch(r"\s*[+-]?[0-9]{1,12}\s*", text) is None:
+        raise argparse.ArgumentTypeError(f"{text[:20]!r}{'...' if len(text) > 20 else ''} is not a whole number of at most 12 digits")
+    return int(text)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m harness.run", description=__doc__.split("\n\n")[1])
+    p = _Parser(prog="python -m harness.run", description=__doc__.split("\n\n")[1])
     p.add_argument("scenario", nargs="?", help="scenario YAML, e.g. scenarios/quickstart.yaml")
     p.add_argument("--resume", type=Path, metavar="RUN_DIR",
                    help="go on with a run that stopped, from its latest checkpoints (modes already done are kept)")
-    p.add_argument("--stop-at-step", type=int, metavar="N",
+    p.add_argument("--stop-at-step", type=_whole_number, metavar="N",
                    help="stop each mode after trainer step N, as a crash would, leaving its checkpoints for --resume")
     p.add_argument("--out", type=Path, help="run directory (default: runs/<name>-<timestamp>)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -77,7 +117,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except ScenarioError as exc:
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return 2
     apply_env()
     console = Console()
     if not console.is_terminal:
@@ -253,6 +297,10 @@ def _resumable(args) -> tuple[list[Variant], Path, dict]:
         raise ScenarioError(f"--out {args.out}: a resumed run is written where it started ({run_dir}); fix: drop --out")
     if not run_dir.is_dir():
         raise ScenarioError(f"--resume {run_dir}: no such directory; fix: pass the directory of a run that stopped")
+    run_directory.check_markers(run_dir)
+    if (run_dir / SCENARIO_FILE).is_symlink():
+        raise ScenarioError(f"{run_dir / SCENARIO_FILE}: is a symbolic link, which asyncrl never follows in a run directory; "
+                            "fix: put back the scenario.json the run wrote, or start the run again")
     if not (run_dir / SCENARIO_FILE).is_file():
         raise ScenarioError(f"--resume {run_dir}: no {SCENARIO_FILE}, so not a run that kept checkpoints; fix: pass a run directory written with checkpoint.every >= 1")
     if (run_dir / "summary.json").is_file():
@@ -267,22 +315,69 @@ def _resumable(args) -> tuple[list[Variant], Path, dict]:
                 f"{args.scenario}: is not the scenario {run_dir} was run with ({sc.name!r}, in {run_dir / SCENARIO_FILE}); "
                 "fix: resume without a scenario file, or with the one it ran"
             )
+    # Every file the resume reads back is read and checked here, before anything runs: a
+    # finished mode's report, an unfinished one's checkpoint and metrics.jsonl.
     if isinstance(sc, EnvScenario):
+        env_run = _env_harness()
         for seed in sc.run_seeds():
+            _check_directory(run_dir / f"seed-{seed}", f"the directory of seed {seed}")
             for mode in sc.modes:
                 where = run_dir / f"seed-{seed}" / mode
-                if not (where / "report.json").is_file():
-                    _env_harness().check_resume(where)  # every checkpoint is read and checked before anything runs
+                if _check_directory(where, f"the directory of mode {mode}") and _finished_mode(where):
+                    _read_report(where, mode, env_run.SCHEMA, metrics=(*env_run.HEADLINE, "reached_target"),
+                                 series=("eval_env_steps", "eval_time_s", "eval_return"))
+                else:
+                    env_run.check_resume(where)
+                    _check_appended(where, ("store/queue.journal", "store/arrivals.journal", "store/replay.journal"))
         return [Variant(None, sc)], run_dir, {}
     done = {}
     for mode in sc.modes:
-        rep = run_dir / mode / "report.json"
-        if rep.is_file():
-            done[mode] = report.read_json(rep)
+        where = run_dir / mode
+        if _check_directory(where, f"the directory of mode {mode}") and _finished_mode(where):
+            done[mode] = _read_report(where, mode, report.SCHEMA,
+                                      numbers=("throughput/trained_samples_per_s", "throughput/trained_tokens_per_s"))
         else:
-            # every checkpoint is read and checked before anything runs
             (load_ray_run if sc.runtime == "ray" else load_run)(run_dir, sc, mode)
+            _check_appended(where, ("queue.journal",))
     return [Variant(None, sc)], run_dir, done
+
+
+def _check_directory(path: Path, what: str) -> bool:
+    """Whether ``path``, a directory of the run to resume, is there; ``ScenarioError`` if
+    something else is in its place (a file, or a link, which the resume would write through)."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        kind = "a symbolic link" if path.is_symlink() else "a file"
+        raise ScenarioError(f"{path}: is {kind}, not {what}; fix: move it out of the run directory (that part of the run "
+                            "then starts again), or start the run again")
+    return path.exists()
+
+
+def _finished_mode(where: Path) -> bool:
+    """A mode has finished when its report is there (a link or any other thing by that name
+    included, so that it is refused rather than the mode run again over it)."""
+    return os.path.lexists(where / "report.json")
+
+
+def _read_report(where: Path, mode: str, schema: str, **fields) -> dict:
+    try:
+        return report.read_report(where / "report.json", schema, mode, fix=f"delete {where} to run mode {mode} again", **fields)
+    except report.ReportError as exc:
+        raise ScenarioError(str(exc)) from None
+
+
+def _check_appended(where: Path, journals: tuple[str, ...]) -> None:
+    """The files a resumed mode goes on appending to: its metrics.jsonl holds only lines asyncrl
+    wrote, and each of its ``journals`` is a regular file where present (opened to append, a
+    link would be written through, a FIFO would block)."""
+    try:
+        read_history(where / METRICS_FILE)
+    except MetricsFileError as exc:
+        raise ScenarioError(str(exc)) from None
+    for name in journals:
+        path = where / name
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            raise ScenarioError(f"{path}: is {'a symbolic link' if path.is_symlink() else 'not a regular file'}, not the journal "
+                                "asyncrl wrote; fix: put back the journal the run wrote, or start the run again")
 
 
 def _run_variant(sc, label, where: Path, env: dict, console: Console, plots: bool, profile: bool = False, **kw) -> dict:

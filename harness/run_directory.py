@@ -4,7 +4,8 @@ Nothing of the user's is deleted or overwritten:
 - ``--out`` that does not exist is created, stamped and written in place, so that its files
   (``metrics.jsonl``, TensorBoard events) can be watched while it runs;
 - ``--out`` that holds a finished run (or sweep) asyncrl made is replaced, but only once the new
-  one has finished: it is built beside it in a stamped staging directory until then;
+  one has finished: it is built beside it in a stamped staging directory until then; and only
+  if it holds nothing but what its stamp lists as written by asyncrl when it finished;
 - anything else there is the user's, or a run to resume, and is refused;
 - a symlink is followed to where it points, and the rules apply there;
 - a run holds its directory while it writes, so a second run or resume of it fails at once;
@@ -19,7 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from core.model.owned import Busy, Hold, discard_owned, holder, is_owned, make_owned, remove_owned, remove_stale, stamp
+from core.model.owned import (
+    LOCK, STAMP, Busy, Hold, LockUnusable, NotOwned, discard_owned, holder, is_owned, make_owned, record_contents, remove_finished,
+    remove_stale, stamp, unlisted,
+)
 from core.store.checkpoint import PARTIAL
 
 log = logging.getLogger(__name__)
@@ -73,8 +77,46 @@ def check(given: Path, kind: str, finished: str, *, in_place: bool = False, resu
             f"--out {where}: holds an earlier {kind}; a run with checkpoints is written where it stays, so it would "
             "replace that one before it finished; fix: pass a new directory"
         )
+    _check_replaceable(given, target, kind)
     _writable_parent(given, target)
     return target
+
+
+def _check_replaceable(given: Path, target: Path, kind: str) -> None:
+    """Replacing ``target`` removes only what asyncrl wrote there: an entry its stamp does not
+    list (a file the user put there since) refuses it, naming the entry."""
+    where = _shown(given, target)
+    check_markers(target, "--out")
+    try:
+        rel, listed = unlisted(target)
+    except OSError as exc:
+        raise RunDirectoryError(f"--out {where}: cannot be read ({exc.strerror}); fix: pass a new directory") from None
+    if rel is None:
+        return
+    if listed:
+        raise RunDirectoryError(
+            f"--out {where}: holds {target / rel}, which the earlier {kind} did not write (its {STAMP} lists what it did), "
+            f"and replacing that {kind} would delete it; fix: move it out of {target}, or pass a new directory"
+        )
+    raise RunDirectoryError(
+        f"--out {where}: holds {target / rel}, and no list of the files asyncrl wrote there (a {kind} that never finished, "
+        f"or one from before asyncrl kept that list), so replacing it could delete a file of yours; "
+        f"fix: remove {target} yourself once nothing in it is yours, or pass a new directory"
+    )
+
+
+def check_markers(path: Path, flag: str = "--resume") -> None:
+    """The stamp and the lock of ``path``, a run directory to write again, are regular files
+    where present: a link there is refused, never followed."""
+    other = "start the run again" if flag == "--resume" else "pass a new directory"
+    for name in (STAMP, LOCK):
+        marker = path / name
+        if marker.is_symlink():
+            raise RunDirectoryError(f"{flag} {path}: {marker} is a symbolic link, which asyncrl never follows; "
+                                    f"fix: remove the link (asyncrl writes that file itself), or {other}")
+        if marker.exists() and not marker.is_file():
+            raise RunDirectoryError(f"{flag} {path}: {marker} is not a regular file; "
+                                    f"fix: remove it (asyncrl writes that file itself), or {other}")
 
 
 @dataclass
@@ -105,15 +147,20 @@ class RunDirectory:
             return cls(out, staging, kind, created=False, holds=[old, Hold(staging)])
         except Busy as exc:
             raise RunDirectoryError(f"--out {out}: {exc}; fix: wait for it to end, or pass another directory") from None
+        except LockUnusable as exc:
+            raise RunDirectoryError(f"--out {out}: {exc}; fix: remove it (asyncrl writes that file itself), or pass another directory") from None
 
     @classmethod
     def reopen(cls, out: Path, kind: str) -> "RunDirectory":
         """Take ``out``, a run that stopped, to go on writing it; what a killed writer left
         half-written in it is removed."""
+        check_markers(out)
         try:
             hold = Hold(out)
         except Busy as exc:
             raise RunDirectoryError(f"--resume {out}: {exc}; fix: wait for it to end") from None
+        except LockUnusable as exc:
+            raise RunDirectoryError(f"--resume {out}: {exc}; fix: remove it (asyncrl writes that file itself)") from None
         for partial in out.rglob(f".*{PARTIAL}"):
             if partial.is_file() and not partial.is_symlink():
                 partial.unlink()
@@ -124,9 +171,20 @@ class RunDirectory:
         return self.path == self.out
 
     def commit(self) -> None:
-        """The run finished: a staged one takes the place of the one it replaces."""
+        """The run finished: its stamp lists what it wrote, and a staged one takes the place of
+        the one it replaces, unless a file of the user's appeared in that one while it ran: then
+        both stay, the new one beside it under a name of its own."""
+        record_contents(self.path)
         if not self.in_place:
-            remove_owned(self.out, self.kind)
+            try:
+                remove_finished(self.out, self.kind)
+            except NotOwned as exc:
+                aside = _free_name(self.out)
+                self.path.rename(aside)
+                log.warning("%s; the new %s is in %s instead", exc, self.kind, aside)
+                self.path = aside
+                self.release()
+                return
             self.path.rename(self.out)
             self.path = self.out
         self.release()
@@ -149,6 +207,16 @@ class RunDirectory:
         for hold in self.holds:
             hold.release()
         self.holds = []
+
+
+def _free_name(out: Path) -> Path:
+    """``out`` with the first suffix ``-new``, ``-new2``, ... that names nothing yet."""
+    n = 1
+    while True:
+        aside = out.with_name(f"{out.name}-new{n if n > 1 else ''}")
+        if not aside.exists() and not aside.is_symlink():
+            return aside
+        n += 1
 
 
 def listing(root: Path, modes: tuple[str, ...], labels: tuple[str, ...] = ()) -> list[str]:

@@ -6,7 +6,10 @@ naming what the directory is for (``kind``: a run, a sweep, a checkpoint, ...). 
 directory does not have it, whatever else it holds (a ``summary.json`` of the user's own, say),
 so asking to remove it is refused. The stamp also names the process that made it (host and
 pid), so a staging directory that a killed process left behind can be told from one that a
-live process is still filling (``remove_stale``).
+live process is still filling (``remove_stale``). When a run (or sweep) finishes, its stamp is
+rewritten to list every file and directory in it (``record_contents``): replacing it later
+removes only those, and anything else found there stops the replacement (``unlisted``,
+``remove_finished``).
 
 What asyncrl creates is readable as the user's umask says: ``tempfile`` makes directories 0700
 and files 0600 whatever the umask, so those are given the umask's modes (``umask_mode``).
@@ -21,16 +24,23 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Optional
+
+from core.model.bounded_parse import loads_json
+from core.model.regular_file import UnreadableFile, read_regular
 
 log = logging.getLogger(__name__)
 
 STAMP = ".asyncrl-owned"
 LOCK = ".asyncrl-lock"
 _OWNER = "asyncrl"
+# A stamp lists a finished run's files: a few thousand names, far below this.
+MAX_STAMP_BYTES = 64 << 20
 
 
 class NotOwned(RuntimeError):
@@ -39,6 +49,10 @@ class NotOwned(RuntimeError):
 
 class Busy(RuntimeError):
     """Another live process is writing the directory."""
+
+
+class LockUnusable(RuntimeError):
+    """The lock file cannot be opened as one (a symbolic link, a directory, unwritable)."""
 
 
 def _pid_in(fd: int) -> str:
@@ -53,7 +67,15 @@ class Hold:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self._fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+        lock = self.path / LOCK
+        try:
+            self._fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
+        except OSError as exc:
+            what = "is a symbolic link, which asyncrl never follows" if exc.errno == errno.ELOOP else f"cannot be opened ({exc.strerror})"
+            raise LockUnusable(f"{lock} {what}") from None
+        if not stat.S_ISREG(os.fstat(self._fd).st_mode):  # a FIFO or device of that name
+            os.close(self._fd)
+            raise LockUnusable(f"{lock} is not a regular file")
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -111,6 +133,97 @@ def stamp(path: Path, kind: str) -> None:
     (Path(path) / STAMP).write_text(json.dumps(mark) + "\n")
 
 
+def _is_marker(name: str) -> bool:
+    """A name asyncrl keeps at the top of a directory it owns, not part of what it holds."""
+    return name in (STAMP, LOCK) or (name.startswith(f".{STAMP}.") and name.endswith(".partial"))
+
+
+def contents(path: Path) -> dict[str, str]:
+    """Every entry under ``path`` (its relative path: "file", "dir", "link" or "other"), the
+    stamp and lock at its top left out. Links are not followed."""
+    root = Path(path)
+    out: dict[str, str] = {}
+    todo = [root]
+    while todo:
+        here = todo.pop()
+        try:
+            with os.scandir(here) as it:
+                entries = list(it)
+        except OSError:
+            if here == root:
+                raise
+            out[os.path.relpath(here, root)] = "unreadable"  # what it holds is unknown: never listed
+            continue
+        for e in entries:
+            if here == root and _is_marker(e.name):
+                continue
+            if e.is_symlink():
+                kind = "link"
+            elif e.is_dir(follow_symlinks=False):
+                kind = "dir"
+                todo.append(Path(e.path))
+            elif e.is_file(follow_symlinks=False):
+                kind = "file"
+            else:
+                kind = "other"
+            out[os.path.relpath(e.path, root)] = kind
+    return out
+
+
+def record_contents(path: Path) -> None:
+    """``path`` is finished: its stamp is rewritten (whole, by rename) to list what it holds
+    now, all of it written by asyncrl, so that a later replacement removes only that. A
+    directory without asyncrl's stamp is left unstamped (never to be removed)."""
+    path = Path(path)
+    data = _mark(path)
+    if data is None:
+        log.warning("%s: has no asyncrl stamp, so what it holds is not recorded; it will never be replaced", path)
+        return
+    data["contents"] = dict(sorted(contents(path).items()))
+    data["finished"] = time.time()
+    fd, tmp = tempfile.mkstemp(prefix=f".{STAMP}.", suffix=".partial", dir=path)
+    try:
+        os.fchmod(fd, umask_mode(0o666))
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(data) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path / STAMP)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def unlisted(path: Path) -> tuple[Optional[str], bool]:
+    """(the first entry under ``path`` that its stamp does not list as asyncrl's, by relative
+    path, or None; whether the stamp lists anything). Without a list (a run that never
+    finished, or one from before stamps listed their contents) every entry but a directory
+    counts, as nothing tells asyncrl's files from the user's."""
+    data = _mark(path) or {}
+    listed = data.get("contents")
+    listed = listed if isinstance(listed, dict) else None
+    for rel, kind in sorted(contents(path).items()):
+        if listed is None:
+            if kind != "dir":
+                return rel, False
+        elif listed.get(rel) != kind:
+            return rel, True
+    return None, listed is not None
+
+
+def remove_finished(path: Path, kind: str) -> None:
+    """Remove ``path``, a finished ``kind`` directory asyncrl created, to replace it; refuse
+    (``NotOwned``, naming the entry) if it holds anything its stamp does not list."""
+    if Path(path).is_dir() and not Path(path).is_symlink():
+        rel, _ = unlisted(path)
+        if rel is not None:
+            raise NotOwned(f"{Path(path) / rel}: not written by asyncrl; refusing to remove {path}")
+    remove_owned(path, kind)
+
+
 def make_owned(parent: Path, prefix: str, kind: str) -> Path:
     """A new, stamped directory under ``parent`` (named ``prefix`` + random letters)."""
     path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
@@ -131,13 +244,11 @@ def keep_owned(path: Path, kind: str) -> Path:
 
 def _mark(path: Path) -> dict | None:
     """The stamp's contents, or None if ``path`` has no stamp asyncrl wrote."""
-    mark = Path(path) / STAMP
     try:
-        if not mark.is_file():  # not a FIFO or a directory of that name
-            return None
-        with mark.open("rb") as f:
-            data = json.loads(f.read(1024))
-    except (OSError, ValueError):
+        # Never a link (whatever it points at is not a stamp asyncrl wrote here), a FIFO or a
+        # directory of that name; nesting bounded, as any JSON asyncrl reads.
+        data = loads_json(read_regular(Path(path) / STAMP, MAX_STAMP_BYTES, "", follow_links=False))
+    except (UnreadableFile, ValueError):
         return None
     return data if isinstance(data, dict) and data.get("owner") == _OWNER else None
 
