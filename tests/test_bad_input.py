@@ -12,12 +12,23 @@ aliases that expand to billions of values); ``--set`` and ``--out`` values; and 
 directories and checkpoints, made by damaging a real stopped run in every way a disk or a user
 can, including contents that pass the format check but could not be restored. Last, Ctrl-C
 during a run: one line on what was kept, exit code 130.
+
+Then the families of issue 33, each in a section of its own: the user's code (``reward.fn``
+imported and called behind one guard: exit 2 when the scenario is checked, exit 1 and one line
+naming the sample while the run runs); a user's model directory (safetensors headers, the shard
+index, the tokenizer) and prompts longer than its context; env scenarios (spaces the pipeline
+cannot take, sizes that could not fit memory, more samplers than can be placed, all refused
+before Ray starts); damaged run directories on ``--resume``, argument errors, a user's file in
+a finished run, and JSON or YAML nested thousands deep.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
+import logging
+import math
 import os
 import shutil
 import signal
@@ -29,13 +40,21 @@ import typing
 from pathlib import Path
 
 import annotated_types
+import numpy as np
 import pytest
 
 from core.model import config, env_config
+from core.model.bounded_parse import TooNested, loads_json, loads_yaml
+from core.model.config import MAX_SAMPLES, TaskSpec, with_changes
+from core.model.env_config import MAX_ALPHA, EnvScenario
+from core.model.owned import LOCK, STAMP, contents, is_owned
+from core.model.prompt_file import PromptRow
+from core.real.task import FilePrompts, Task, exact_match
 from core.runtimes.run_checkpoint import load_run
 from core.store import checkpoint
 from harness.run import main
-from harness.scenario import load_resolved
+from harness.run_directory import RunDirectory
+from harness.scenario import load, load_resolved, load_variants
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = Path(__file__).resolve().parent / "corpus" / "scenarios"
@@ -716,3 +735,979 @@ def test_a_reward_that_fails_on_one_sample_in_a_thousand_ends_the_run_or_is_skip
     assert m["samples/dropped_reward_error"] == 8  # one group of 8, for the one failed call in 1,280
     assert m["samples/lost"] == 0 and m["samples/in_flight"] == 0
     assert m["samples/produced"] == m["samples/trained"] + m["samples/dropped"] and m["samples/trained"] == 20 * 64
+
+# ==== A user's model directory and prompts ========================================================
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+# The files save_pretrained writes; asyncrl's stamps are left out, so the copy is a user's.
+MODEL_FILES = ("config.json", "generation_config.json", WEIGHTS, "tokenizer.json", "tokenizer_config.json")
+EMBED = "model.embed_tokens.weight"  # [40, 128] F32, the first tensor of the data
+NORM0, NORM0_POST = "model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight"  # both [128] F32
+
+
+@pytest.fixture(scope="session")
+def users_model(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model as a user's directory: only what save_pretrained writes."""
+    pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("users") / "my-model"
+    out.mkdir()
+    for f in MODEL_FILES:
+        shutil.copy(tiny_model_dir / f, out / f)
+    return out
+
+
+def scenario(d: Path, model: Path, prompts: typing.Optional[Path] = None, eval_prompts: typing.Optional[Path] = None,
+             truncation: str = "") -> Path:
+    """A local run of ``model`` on the torch engine, small enough to be checked at once."""
+    task = {k: str(v) for k, v in (("prompts", prompts), ("eval_prompts", eval_prompts)) if v is not None}
+    text = (
+        "name: users-model\nruntime: local\nmodes: [async]\nengine: {kind: torch}\n"
+        "resources: {rollout_gpus: 1, trainer_gpus: 1}\n"
+        f"model: {{path: {model}}}\n"
+        "workload: {group_size: 4, max_response_len: 64}\n"
+        "trainer: {batch_size: 8, steps: 2, sync_every: 1}\n"
+        "rollout: {max_num_seqs: 8}\n"
+        f"eval: {{every: {1 if eval_prompts else 0}, prompts: 2, workers: 1}}\n"
+        + (f"task: {json.dumps({**task, **({'prompt_truncation': truncation} if truncation else {})})}\n" if task else "")
+    )
+    (d / "s.yaml").write_text(text)
+    return d / "s.yaml"
+
+
+# -- damage: the safetensors header -------------------------------------------------------------
+def _split(f: Path) -> tuple[dict, bytes]:
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def _put(f: Path, text: bytes, data: bytes) -> None:
+    f.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def header(name: str, change: typing.Callable[[dict], object], raw: typing.Optional[str] = None):
+    """A damage that edits the header of the weights, keeping their data; ``raw``: text put in
+    place of the JSON string "@" the edit left, for a value json.dumps cannot write."""
+    def damage(model: Path) -> None:
+        h, data = _split(model / WEIGHTS)
+        change(h)
+        text = json.dumps(h)
+        if raw is not None:
+            text = text.replace('"@"', raw)
+        _put(model / WEIGHTS, text.encode(), data)
+    damage.__name__ = name
+    return damage
+
+
+def field(name: str, tensor: str, key: str, value: object, index: typing.Optional[int] = None, raw: typing.Optional[str] = None):
+    """A damage that sets one field of one tensor's header entry (``index``: one element of it)."""
+    def change(h: dict) -> None:
+        if index is None:
+            h[tensor][key] = value
+        else:
+            h[tensor][key][index] = value
+    return header(name, change, raw)
+
+
+def _overlap(h: dict) -> None:
+    h[NORM0_POST]["data_offsets"] = list(h[NORM0]["data_offsets"])
+
+
+def header_deeply_nested(model: Path) -> None:
+    h, data = _split(model / WEIGHTS)
+    text = json.dumps(h).replace("[40, 128]", "[" * 100_000 + "]" * 100_000)  # json.loads: RecursionError
+    _put(model / WEIGHTS, text.encode(), data)
+
+
+def header_longer_than_the_file(model: Path) -> None:
+    f = model / WEIGHTS
+    raw = f.read_bytes()
+    f.write_bytes(struct.pack("<Q", len(raw)) + raw[8:])
+
+
+def header_length_huge(model: Path) -> None:
+    f = model / WEIGHTS
+    f.write_bytes(struct.pack("<Q", 10**12) + f.read_bytes()[8:])
+
+
+def weights_truncated(model: Path) -> None:
+    f = model / WEIGHTS
+    f.write_bytes(f.read_bytes()[:-1000])
+
+
+def weights_with_bytes_after(model: Path) -> None:
+    with (model / WEIGHTS).open("ab") as fh:
+        fh.write(b"\0" * 16)
+
+
+def weights_of_five_bytes(model: Path) -> None:
+    (model / WEIGHTS).write_bytes(b"\x01\x02\x03\x04\x05")
+
+
+def header_not_json(model: Path) -> None:
+    _, data = _split(model / WEIGHTS)
+    _put(model / WEIGHTS, b"{'not': json}", data)
+
+
+def header_not_utf8(model: Path) -> None:
+    _, data = _split(model / WEIGHTS)
+    _put(model / WEIGHTS, b'{"\xff": 1}', data)
+
+
+def header_a_list(model: Path) -> None:
+    _put(model / WEIGHTS, b"[]", b"")
+
+
+def weights_a_fifo(model: Path) -> None:
+    (model / WEIGHTS).unlink()
+    os.mkfifo(model / WEIGHTS)
+
+
+# -- damage: the shard index --------------------------------------------------------------------
+def index(name: str, text: typing.Union[str, typing.Callable[[dict], object]]):
+    """A damage that adds a shard index: ``text`` as it is, or the index of the weights as
+    save_pretrained writes it, edited by ``text``."""
+    def damage(model: Path) -> None:
+        if isinstance(text, str):
+            (model / INDEX).write_text(text)
+            return
+        h, _ = _split(model / WEIGHTS)
+        obj = {"metadata": {"total_size": 1204736}, "weight_map": {k: WEIGHTS for k in h if k != "__metadata__"}}
+        text(obj)
+        (model / INDEX).write_text(json.dumps(obj))
+    damage.__name__ = name
+    return damage
+
+
+def shard(name: str):
+    """An index edit: the embedding's shard named ``name``."""
+    return lambda obj: obj["weight_map"].update({EMBED: name})
+
+
+def index_a_fifo(model: Path) -> None:
+    os.mkfifo(model / INDEX)
+
+
+# -- damage: the tokenizer ----------------------------------------------------------------------
+def tokenizer_garbage(model: Path) -> None:
+    (model / "tokenizer.json").write_bytes(b"\x89PNG not a tokenizer")
+
+
+def tokenizer_truncated(model: Path) -> None:
+    f = model / "tokenizer.json"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def tokenizer_a_directory(model: Path) -> None:
+    (model / "tokenizer.json").unlink()
+    (model / "tokenizer.json").mkdir()
+
+
+def tokenizer_a_fifo(model: Path) -> None:
+    (model / "tokenizer.json").unlink()
+    os.mkfifo(model / "tokenizer.json")
+
+
+def tokenizer_json_transformers_cannot_load(model: Path) -> None:
+    (model / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "NoSuchModel", "vocab": 5}}')
+
+
+def tokenizer_a_list(model: Path) -> None:
+    (model / "tokenizer.json").write_text("[1, 2, 3]")
+
+
+def tokenizer_config_garbage(model: Path) -> None:
+    (model / "tokenizer_config.json").write_text('{"bos_token": "<bos>",')
+
+
+# (damage, fragments of the one error line besides model.path = '<dir>')
+MODEL_CASES = [
+    # json.dumps writes inf as Infinity, and json reads 1e400 as inf: int(inf) raised OverflowError.
+    (field("shape_inf", EMBED, "shape", float("inf"), 0), [f"{WEIGHTS}: header: {EMBED}.shape[0] = inf is not a whole number >= 0"]),
+    (field("shape_1e400", EMBED, "shape", "@", 0, raw="1e400"), [f"{WEIGHTS}: header: {EMBED}.shape[0] = inf is not a whole number >= 0"]),
+    (field("shape_negative", EMBED, "shape", -40, 0), [f"{EMBED}.shape[0] = -40 is not a whole number >= 0"]),
+    (field("shape_bool", EMBED, "shape", True, 0), [f"{EMBED}.shape[0] = True is not a whole number >= 0"]),
+    (field("shape_float", EMBED, "shape", 40.0, 0), [f"{EMBED}.shape[0] = 40.0 is not a whole number >= 0"]),
+    (field("shape_huge", EMBED, "shape", 2**50, 0), [f"{EMBED}.shape[0] = 1125899906842624 is more than 1,099,511,627,776"]),
+    (field("shape_not_a_list", EMBED, "shape", "40x128"), [f"{EMBED}.shape = '40x128' is not a list of dimensions"]),
+    (header_deeply_nested, [f"{WEIGHTS} is not a readable safetensors file", "of its header, values are nested more than 3 deep"]),
+    (field("dtype_unknown", EMBED, "dtype", "F33"), [f"{WEIGHTS}: header: {EMBED}.dtype = 'F33' is not a safetensors dtype (F64, F32"]),
+    (field("dtype_a_number", EMBED, "dtype", 4), [f"{EMBED}.dtype = 4 is not a safetensors dtype"]),
+    (field("offsets_one_number", EMBED, "data_offsets", [0]), [f"{EMBED}.data_offsets = [0] is not [begin, end], two whole numbers >= 0"]),
+    (field("offsets_reversed", EMBED, "data_offsets", [20480, 0]), [f"{EMBED}.data_offsets = [20480, 0] end before they begin"]),
+    (field("offsets_past_the_file", "model.norm.weight", "data_offsets", [1001204224, 1001204736]), ["model.norm.weight.data_offsets = [1001204224, 1001204736] reach past the 1,204,736 bytes of data"]),
+    (header("offsets_overlap", _overlap), [f"{NORM0_POST}.data_offsets = [20480, 20992] overlap those of {NORM0}, which end at 20992"]),
+    (field("shape_disagrees_with_offsets", NORM0, "shape", [129]), [f"{NORM0}.data_offsets = [20480, 20992] hold 512 bytes, and shape [129] of F32 takes 516"]),
+    (header("tensor_not_an_object", lambda h: h.update({EMBED: [40, 128]})), [f"{WEIGHTS}: header: {EMBED} is a list, not an object of dtype, shape and data_offsets"]),
+    (header("tensor_without_offsets", lambda h: h[EMBED].pop("data_offsets")), [f"{WEIGHTS}: header: {EMBED} has no data_offsets"]),
+    (header("metadata_not_strings", lambda h: h.update({"__metadata__": {"format": 1}})), [f"{WEIGHTS}: header: __metadata__ is not an object of strings"]),
+    (weights_truncated, ["reach past the 1,203,736 bytes of data the file holds (truncated?)"]),
+    (weights_with_bytes_after, [f"{WEIGHTS}: header: its tensors end at byte 1,204,736 of the data, and 16 more bytes follow them"]),
+    (header_longer_than_the_file, [f"{WEIGHTS} is not a readable safetensors file: its header length says", "(truncated?)"]),
+    (header_length_huge, ["its header length says 1,000,000,000,000 bytes, more than the 100,000,000 a header may have"]),
+    (weights_of_five_bytes, [f"{WEIGHTS} is not a readable safetensors file: it is 5 bytes, fewer than the 8"]),
+    (header_not_json, [f"{WEIGHTS} is not a readable safetensors file: its header is not JSON"]),
+    (header_not_utf8, ["its header is not UTF-8 (byte 10)"]),
+    (header_a_list, [f"{WEIGHTS}: header is a list, not an object of tensors"]),
+    (weights_a_fifo, [f"{WEIGHTS} is not a regular file (a FIFO, socket or device)"]),
+    (index("index_int_file_names", shard(1)), [f"{INDEX}: weight_map['{EMBED}'] = 1 is a number, not a file name"]),
+    (index("index_outside_the_directory", shard("../x.safetensors")), [f"weight_map['{EMBED}'] = '../x.safetensors' is not the name of a file in the directory"]),
+    (index("index_names_a_missing_shard", shard("model-00002-of-00002.safetensors")), [f"{INDEX}: weight_map names 'model-00002-of-00002.safetensors', which is not there"]),
+    (index("index_names_a_pickle", shard("pytorch_model.bin")), [f"weight_map['{EMBED}'] = 'pytorch_model.bin' is not a .safetensors file"]),
+    (index("index_weight_map_a_list", lambda obj: obj.update(weight_map=[1, 2])), [f"{INDEX}: weight_map is a list, not an object of tensor name: file name"]),
+    (index("index_weight_map_empty", lambda obj: obj.update(weight_map={})), [f"{INDEX}: weight_map names no file"]),
+    (index("index_without_weight_map", lambda obj: obj.pop("weight_map")), [f"{INDEX} has no weight_map"]),
+    (index("index_a_list", "[1, 2]"), [f"{INDEX} holds a list, not an object with a weight_map"]),
+    (index("index_deeply_nested", '{"weight_map": ' + "[" * 50_000 + "]" * 50_000 + "}"),
+     [f"{INDEX}: line 1, column 19: values are nested more than 4 deep"]),
+    (index("index_truncated", '{"weight_map": {'), [f"{INDEX} is not JSON"]),
+    (index_a_fifo, [f"{INDEX} is unreadable: it is not a regular file (a FIFO"]),
+    (tokenizer_garbage, ["tokenizer.json is unreadable (not UTF-8 at byte 0)"]),
+    (tokenizer_truncated, ["tokenizer.json is not JSON ("]),
+    (tokenizer_a_directory, ["tokenizer.json is unreadable: it is a directory, not a file"]),
+    (tokenizer_a_fifo, ["tokenizer.json is unreadable: it is not a regular file (a FIFO"]),
+    (tokenizer_json_transformers_cannot_load, ["loading its tokenizer raised Exception:", "fix: give a directory whose tokenizer loads"]),
+    (tokenizer_a_list, ["tokenizer.json does not hold a JSON object"]),
+    (tokenizer_config_garbage, ["tokenizer_config.json is not JSON ("]),
+]
+
+
+@pytest.mark.parametrize("damage,fragments", MODEL_CASES, ids=[c[0].__name__ for c in MODEL_CASES])
+def test_a_damaged_model_directory_is_one_line(damage, fragments, users_model, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(users_model, model)
+    damage(model)
+    refused(capsys, [str(scenario(tmp_path, model)), "--out", str(tmp_path / "run")], [f"model.path = '{model}'", *fragments, "fix:"], tmp_path)
+    assert not (tmp_path / "run").exists()
+
+
+def _prompts(path: Path, prompts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"prompt": p, "answer": "a"}) + "\n" for p in prompts))
+    return path
+
+
+def test_a_prompt_longer_than_the_context_is_refused_naming_its_line(users_model, tmp_path, capsys):
+    # max_positions 512 less max_response_len 64 leaves a prompt 448 tokens: a word is a token here.
+    prompts = _prompts(tmp_path / "p.jsonl", ["a b =", "c d =", "a " * 500 + "="])
+    refused(capsys, [str(scenario(tmp_path, users_model, prompts)), "--out", str(tmp_path / "run")],
+            [f"task.prompts = '{prompts}': the prompt of line 3 is 502 tokens, more than the 448 that model.max_positions = 512 "
+             "leaves beside workload.max_response_len = 64", "fix: shorten or drop it", "task.prompt_truncation: left"], tmp_path)
+
+
+def test_a_held_out_prompt_too_long_is_refused_too(users_model, tmp_path, capsys):
+    prompts = _prompts(tmp_path / "p.jsonl", ["a b ="])
+    held_out = _prompts(tmp_path / "eval.jsonl", ["a b =", "b " * 448 + "="])
+    refused(capsys, [str(scenario(tmp_path, users_model, prompts, held_out)), "--out", str(tmp_path / "run")],
+            [f"task.eval_prompts = '{held_out}': the prompt of line 2 is 450 tokens, more than the 448", "fix:"], tmp_path)
+
+
+def test_a_prompt_too_long_for_the_tiny_model_is_refused_as_it_is_built(tiny_model_dir, tmp_path, capsys):
+    """Without model.path the tokenizer is the tiny model's, built with the run: its prompts are
+    counted as it is built, before any worker starts, and refused the same way."""
+    prompts = _prompts(tmp_path / "p.jsonl", ["a b =", "c d =", "a b c d e f g h " * 70 + "="])
+    refused(capsys, [*REAL_SHORT, "--out", str(tmp_path / "run"), *sets(f"task.prompts={prompts}", f"tiny_model.path={tiny_model_dir}")],
+            [f"task.prompts = '{prompts}': the prompt of line 3 is", "that tiny_model.max_positions = 512 leaves beside "
+             "workload.max_response_len = 8", "fix: shorten or drop it"], tmp_path)
+
+
+def test_a_good_directory_passes_and_the_check_counts_as_the_run_tokenizes(users_model, tmp_path):
+    from core.model.model_dir import read_tokenizer
+    from core.real.reward import make_task
+
+    prompts = _prompts(tmp_path / "p.jsonl", ["a b =", "c d e f =", "a " * 446 + "="])  # the last: 448 tokens, <bos> included
+    sc = load(scenario(tmp_path, users_model, prompts))
+    assert sc.model.path == str(users_model)
+    task = make_task(sc)
+    counted = read_tokenizer(users_model, plain=False).counts([r.prompt for r in task.prompts.rows])
+    assert counted == [4, 6, 448]
+    assert sorted(len(task.tokens(i)) for i in range(3)) == counted  # one pass takes each row once
+    task.check_lengths()  # and the run agrees: nothing to refuse
+
+
+@pytest.mark.parametrize("truncation", ["left", "right"])
+def test_prompt_truncation_cuts_a_long_prompt_and_says_how_many(truncation, users_model, tmp_path, caplog):
+    """``task.prompt_truncation: left`` keeps a prompt's end, ``right`` its beginning, <bos> first
+    either way; the scenario passes, and the run warns how many prompts it cuts."""
+    from core.real.reward import make_task
+
+    words = [f"{c}" for c in "abcdefgh"] * 60 + ["="]  # 481 words, one token each
+    prompts = _prompts(tmp_path / "p.jsonl", ["a b =", " ".join(words)])
+    sc = load(scenario(tmp_path, users_model, prompts, truncation=truncation))
+    assert sc.task.prompt_truncation == truncation
+    task = make_task(sc)
+    caplog.set_level(logging.WARNING, logger="core.real.task")
+    task.check_lengths()
+    assert "task.prompts: 1 of its 2 prompts are longer than the 448 tokens" in caplog.text
+    assert f"(task.prompt_truncation: {truncation})" in caplog.text
+    long_id = next(i for i in range(2) if task.prompt_text(i) != "a b =")
+    ids = task.tokens(long_id).tolist()
+    full = task.tokens(1 - long_id).tolist()
+    assert len(ids) == 448 and ids[0] == full[0]  # <bos>, and 447 of the text's 481 tokens
+    kept = task._decode(ids[1:]).replace(" ", "")  # AutoTokenizer decodes this vocabulary without spaces
+    assert kept == "".join(words[-447:] if truncation == "left" else words[:447])
+
+
+def test_truncation_on_task_tokens():
+    """Unit level: 10 positions, 4 for the response, <bos>: 5 tokens of the text are kept."""
+    rows = (PromptRow("1 2 3 4 5 6 7 8", "", "line 1"), PromptRow("1 2", "", "line 2"))
+    encode = lambda text: [int(w) for w in text.split()]  # noqa: E731
+    tasks = {t: Task(FilePrompts(rows, None, seed=0), exact_match, encode, str, bos_id=0, eos_ids=[9], max_positions=10,
+                     max_response_len=4, truncation=t) for t in ("error", "left", "right")}
+    long_id = next(i for i in range(2) if tasks["left"].prompt_text(i) == rows[0].prompt)
+    assert tasks["left"].tokens(long_id).tolist() == [0, 4, 5, 6, 7, 8]
+    assert tasks["right"].tokens(long_id).tolist() == [0, 1, 2, 3, 4, 5]
+    assert tasks["left"].tokens(1 - long_id).tolist() == [0, 1, 2]  # a prompt that fits is as it is
+    with pytest.raises(ValueError, match=r"task.prompts: the prompt of line 1 is 9 tokens, leaving no room for a response of "
+                                         r"workload.max_response_len = 4 in the model's 10 positions; fix: shorten or drop it"):
+        tasks["error"].check_lengths()
+    TaskSpec(prompt_truncation="left")
+    with pytest.raises(ValueError, match="prompt_truncation"):
+        TaskSpec(prompt_truncation="middle")
+
+
+def test_the_cases_cover_the_issue():
+    assert len(MODEL_CASES) >= 25
+
+# ==== Env scenarios ===============================================================================
+DQN = str(ROOT / "scenarios" / "cartpole-dqn.yaml")
+PPO = str(ROOT / "scenarios" / "cartpole-ppo.yaml")
+def _id(name: str) -> str:
+    return f"asyncrl-test/{name}-v0"
+
+
+@pytest.fixture(scope="module")
+def stub_envs():
+    """The envs these cases name, registered in this process (a scenario names an env by id
+    only); and harness.env_run imported (torch, Ray's module), so that the 5 s bound times the
+    refusal, not the import."""
+    gym = pytest.importorskip("gymnasium")
+    pytest.importorskip("torch")
+    import harness.env_run  # noqa: F401
+
+    Box, Discrete = gym.spaces.Box, gym.spaces.Discrete
+
+    class Stub(gym.Env):
+        """An env of the given spaces whose episodes never end by themselves."""
+
+        def __init__(self, observation_space, action_space) -> None:
+            self.observation_space, self.action_space = observation_space, action_space
+
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            return self.observation_space.sample(), {}
+
+        def step(self, action):
+            return self.observation_space.sample(), 0.0, False, False, {}
+
+    def broken(**_):
+        raise RuntimeError("the simulator's licence server is unreachable")
+
+    stubs = {
+        "TupleObs": (gym.spaces.Tuple((Discrete(3), Box(-1, 1, (2,)))), Discrete(2)),
+        "DictObs": (gym.spaces.Dict({"pos": Box(-1, 1, (2,)), "goal": Discrete(4)}), Discrete(2)),
+        "DiscreteObs": (Discrete(16), Discrete(4)),
+        "ImageObs": (Box(0, 255, (84, 84, 3), np.uint8), Discrete(4)),
+        "MultiDiscreteAct": (Box(-1, 1, (4,)), gym.spaces.MultiDiscrete([3, 3])),
+        "MultiBinaryAct": (Box(-1, 1, (4,)), gym.spaces.MultiBinary(4)),
+        "TupleAct": (Box(-1, 1, (4,)), gym.spaces.Tuple((Discrete(2), Discrete(3)))),
+        "DiscreteFrom1": (Box(-1, 1, (4,)), Discrete(3, start=1)),
+        "MatrixAct": (Box(-1, 1, (4,)), Box(-1, 1, (2, 2))),
+        "NoTimeLimit": (Box(-1, 1, (4,)), Discrete(2)),
+        "WideObs": (Box(-1, 1, (100_000,)), Discrete(2)),
+    }
+    for name, (obs, act) in stubs.items():
+        if _id(name) not in gym.registry:
+            gym.register(id=_id(name), entry_point=Stub, kwargs={"observation_space": obs, "action_space": act},
+                         disable_env_checker=True)
+    if _id("Broken") not in gym.registry:
+        gym.register(id=_id("Broken"), entry_point=broken, disable_env_checker=True)
+
+
+def _ray_connected() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+SYNC = ("modes=[sync]",)  # sizes are checked per mode; sync alone needs no CPUs for actors
+
+# (id, scenario, --set items, fragments of the one error line)
+SPACE_CASES = [
+    ("tuple_observation", DQN, [f"env.id={_id('TupleObs')}"],
+     [f"env.id = '{_id('TupleObs')}'", "observation space is a Tuple of 2 spaces ('Discrete', 'Box')", "takes a Box of one dimension",
+      "fix: register an id that wraps the env in gymnasium.wrappers.FlattenObservation"]),
+    ("dict_observation", PPO, [f"env.id={_id('DictObs')}"],
+     ["observation space is a Dict of 2 spaces (keys 'goal', 'pos')", "takes a Box of one dimension", "fix:"]),
+    ("discrete_observation", DQN, [f"env.id={_id('DiscreteObs')}"], ["observation space is Discrete(16)", "fix:"]),
+    ("image_observation", DQN, [f"env.id={_id('ImageObs')}"],
+     ["observation space is a Box of shape (84, 84, 3) (uint8)", "the networks are MLPs", "fix:"]),
+    ("multidiscrete_action", PPO, [f"env.id={_id('MultiDiscreteAct')}"],
+     ["action space is a MultiDiscrete of shape (2,)", "the samplers act in Discrete(n) from 0, or for PPO a Box", "fix:"]),
+    ("multibinary_action", DQN, [f"env.id={_id('MultiBinaryAct')}"], ["action space is a MultiBinary of shape (4,)", "fix:"]),
+    ("tuple_action", PPO, [f"env.id={_id('TupleAct')}"], ["action space is a Tuple of 2 spaces ('Discrete', 'Discrete')", "fix:"]),
+    ("discrete_action_from_1", DQN, [f"env.id={_id('DiscreteFrom1')}"], ["action space is Discrete(3, start=1)", "fix:"]),
+    ("matrix_of_continuous_actions", PPO, [f"env.id={_id('MatrixAct')}"], ["action space is a Box of shape (2, 2) (float32)", "fix:"]),
+    ("continuous_actions_for_dqn", DQN, ["env.id=Pendulum-v1"],
+     ["env.id = 'Pendulum-v1'", "DQN needs discrete actions", "fix: use learner: ppo for continuous ones"]),
+    ("env_that_fails_to_build", DQN, [f"env.id={_id('Broken')}"],
+     ["making it failed (RuntimeError: the simulator's licence server is unreachable)", "fix:"]),
+]
+
+# Sizes: each names the key, the bytes the run would hold and this machine's available bytes.
+SIZE_CASES = [
+    ("n_step_past_the_time_limit", DQN, ["env.n_step=1000000"],
+     ["env.n_step = 1000000", "episodes of 'CartPole-v1' end by step 500", "chunks of up to 8,000,248 rows",
+      "4,000,132 updates between two chunks", "fix: use at most 500"]),
+    # Without a time limit, n_step x envs rows wait in a sampler: 100,003,100,000 rows x 556 bytes.
+    ("n_step_memory", DQN, [*SYNC, f"env.id={_id('NoTimeLimit')}", "env.n_step=1000000", "env.envs_per_sampler=100000"],
+     ["env.n_step = 1000000", "a sync run would hold at least 55,602,252,309,592 bytes",
+      "chunks of up to 100,003,100,000 rows x 556 bytes", "bytes available", "fix: use at most"]),
+    # 10,000,000 rows x (8 x 100,000 + 28 + 9) bytes, and PER's trees over 2**24 leaves.
+    ("replay_capacity", DQN, [*SYNC, f"env.id={_id('WideObs')}", "replay.capacity=10000000"],
+     ["replay.capacity = 10000000", "a sync run would hold at least 8,002,141,429,368 bytes", "the replay: 10,000,000 rows x 800,037 bytes",
+      "bytes available", "fix: use at most"]),
+    ("envs_per_sampler", DQN, [*SYNC, "env.envs_per_sampler=10000000", "env.send_every=1000"],
+     ["env.envs_per_sampler = 10000000", "at least 5,622,653,509,592 bytes", "10,000,000 environments", "bytes available", "fix:"]),
+    ("ppo_send_every", PPO, [*SYNC, "env.envs_per_sampler=10000", "env.send_every=1000000"],
+     ["env.send_every = 1000000", "at least 2,620,052,574,920 bytes", "bytes available", "fix: use at most"]),
+    ("dqn_hidden_widths", DQN, [*SYNC, "dqn.hidden=[1000000, 1000000]"],
+     ["dqn.hidden = (1000000, 1000000)", "at least 28,000,235,809,688 bytes", "5 x 4,000,032,000,008 bytes of weights",
+      "fix: use layers of at most"]),
+    ("eval_episodes", DQN, [*SYNC, f"env.id={_id('WideObs')}", "replay.capacity=1000", "env.eval_episodes=10000000"],
+     ["env.eval_episodes = 10000000", "evaluation 8.1 TB", "bytes available", "fix: use at most"]),
+    # Each sampler is a process: 100,000 x 180 MiB at least, whatever it holds.
+    ("samplers_memory", DQN, ["ray.num_cpus=1", "ray.sampler.num_cpus=0", "ray.learner.num_cpus=1", "env.samplers=100000"],
+     ["env.samplers = 100000", "an async run would hold at least 18,951,524,853,704 bytes", "100,000 samplers 18.9 TB", "fix: use at most"]),
+]
+
+ALPHA_CASES = [
+    ("alpha_1000", DQN, ["replay.alpha=1000"], ["replay.alpha = 1000", "above 7", "overflow the replay's sum tree", "fix: use at most 7"]),
+    ("alpha_1e300", DQN, ["replay.alpha=1e300"], ["replay.alpha = '1e300'", "above 7", "fix: use at most 7"]),
+]
+
+# More samplers than any machine or cluster could place.
+SAMPLER_CASES = [
+    ("samplers_100000", DQN, ["env.samplers=100000"], ["env.samplers = 100000", "reserve 100001 CPUs", "fix:"]),
+    ("ppo_samplers_100000", PPO, ["env.samplers=100000", "ppo.queue_chunks=100000"], ["env.samplers = 100000", "reserve 100001 CPUs", "fix:"]),
+]
+
+ENV_CASES = SPACE_CASES + SIZE_CASES + ALPHA_CASES + SAMPLER_CASES
+
+
+@pytest.mark.parametrize("scenario,items,fragments", [c[1:] for c in ENV_CASES], ids=[c[0] for c in ENV_CASES])
+def test_bad_env_scenario(scenario, items, fragments, tmp_path, capsys, stub_envs):
+    connected = _ray_connected()
+    refused(capsys, [scenario, "--no-plots", "--out", str(tmp_path / "run"), *sets(*items)], fragments, tmp_path, ROOT / "scenarios")
+    assert not (tmp_path / "run").exists()
+    assert _ray_connected() == connected  # refused before Ray started
+
+
+def test_the_family_has_its_cases():
+    assert len(ENV_CASES) >= 12 and len(SPACE_CASES) >= 8 and len(SIZE_CASES) >= 6
+
+
+def test_more_samplers_than_the_local_instance_has_cpus_is_refused_before_ray_starts(tmp_path, capsys, stub_envs):
+    if _ray_connected():
+        pytest.skip("Ray is connected in this process (a test session's cluster): the run would join it, and is checked there")
+    err = refused(capsys, [DQN, "--no-plots", "--out", str(tmp_path / "run"), *sets("ray.num_cpus=2", "env.samplers=4")],
+                  ["env.samplers = 4", "reserve 5 CPUs", "the local Ray instance would have 2", "fix: use at most 1 sampler,"], tmp_path)
+    assert "Ray cluster has" not in err  # counted before ray.init, which would have logged a line of its own
+    assert not _ray_connected()
+
+
+def _check(path: str, *items: str) -> None:
+    from harness.env_run import check_new
+
+    check_new(load_variants(path, list(items)), argparse.Namespace(scenario=path, stop_at_step=None))
+
+
+@pytest.mark.parametrize("path,items", [
+    (DQN, ()), (PPO, ()),
+    (DQN, ("env.n_step=500",)),  # at the time limit: still taken
+    (DQN, ("env.samplers=2", "ray.num_cpus=3", "replay.capacity=1000000", "env.envs_per_sampler=64")),
+    (PPO, ("env.samplers=2", "ray.num_cpus=3", "env.send_every=256", "ppo.queue_chunks=2")),
+    (PPO, ("env.id=Pendulum-v1", "modes=[sync]")),
+    (DQN, (f"env.id={_id('NoTimeLimit')}", "env.n_step=1000", "modes=[sync]")),
+], ids=["dqn", "ppo", "dqn_n_step_500", "dqn_bigger", "ppo_bigger", "ppo_continuous", "no_time_limit"])
+def test_ordinary_env_scenarios_pass_the_checks(path, items, stub_envs):
+    """The checks refuse only what could not run: the shipped scenarios and modest growths pass them."""
+    _check(path, "ray.num_cpus=4", *items)
+
+
+def test_an_ordinary_run_is_counted_at_well_under_a_gigabyte(stub_envs):
+    from core.env.footprint import check_memory, total
+    from core.env.wiring import env_space
+
+    for path in (DQN, PPO):
+        sc = load_variants(path, [])[0].scenario
+        space = env_space(sc)
+        assert 10**5 < total(sc, space, "sync") < 10**8
+        assert total(sc, space, "async") < 10**9  # three actors' processes, mostly
+        check_memory(sc, space, available=(2 * 10**9, "a 2 GB machine"))
+
+
+def test_the_alpha_ceiling_keeps_every_priority_the_learner_sends_finite():
+    """MAX_ALPHA's derivation (core/model/env_config.py): priorities lie in [MIN_PRIORITY, float32's
+    max + MIN_PRIORITY]; raised to MAX_ALPHA they stay positive and under the replay's limit at its
+    most rows, and a little past the ceiling they would not."""
+    from core.env.dqn import MIN_PRIORITY
+
+    top, low = float(np.finfo(np.float32).max) + MIN_PRIORITY, MIN_PRIORITY
+    leaves = 1 << (MAX_SAMPLES - 1).bit_length()  # replay.capacity's ceiling
+    limit = sys.float_info.max / (2 * leaves)
+    assert math.pow(top, MAX_ALPHA) <= limit and math.pow(low, MAX_ALPHA) >= sys.float_info.min
+    assert math.pow(top, 7.9) > limit
+    assert with_changes(EnvScenario(), {"replay.alpha": MAX_ALPHA}).replay.alpha == MAX_ALPHA
+
+
+def test_the_replay_takes_the_extreme_priorities_at_the_ceiling():
+    """On this process's backend (ASYNCRL_PUREPYTHON picks it), the extremes the learner can send."""
+    from core.env.dqn import MIN_PRIORITY
+    from ext.replay import ReplayBuffer
+
+    buf = ReplayBuffer(4, {"x": ((), np.float32)}, prioritized=True, alpha=MAX_ALPHA, seed=0)
+    buf.add({"x": np.zeros(4, np.float32)})
+    top = float(np.finfo(np.float32).max) + MIN_PRIORITY
+    buf.update_priorities(np.array([0, 1, 2, 3]), np.array([MIN_PRIORITY, top, 1.0, top]))
+    _, slots, weights = buf.sample(4, beta=1.0)
+    assert np.all(np.isfinite(weights)) and set(slots.tolist()) <= {1, 3}
+
+# ==== Run directories, arguments, and nesting =====================================================
+DEEP = 10_000
+NESTED = "[" * DEEP + "]" * DEEP
+
+
+# -- damaged run directories, resumed ------------------------------------------------------------
+
+def _metrics(run: Path) -> Path:
+    return run / "async" / "metrics.jsonl"
+
+
+def _report(run: Path) -> Path:
+    """Where a finished mode's report is: one there marks async finished."""
+    return run / "async" / "report.json"
+
+
+def _link_to_passwd(path: Path) -> None:
+    if path.exists():
+        path.unlink()
+    path.symlink_to("/etc/passwd")
+
+
+def _make_fifo(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+
+
+def metrics_garbage(run):
+    _metrics(run).write_text("garbage\n{{{\n")
+
+
+def metrics_binary(run):
+    _metrics(run).write_bytes(b"\x00\xff\xfe" * 100)
+
+
+def metrics_garbage_after_good_lines(run):
+    f = _metrics(run)
+    f.write_bytes(f.read_bytes() + b"[1, 2]\n")
+
+
+def metrics_a_line_of_another_event(run):
+    f = _metrics(run)
+    f.write_bytes(b'{"event": "lunch", "step": 1, "unix_s": 1.0}\n' + f.read_bytes())
+
+
+def metrics_nested_10000_deep(run):
+    _metrics(run).write_text('{"event": "step", "step": 1, "unix_s": 1.0, "x": ' + NESTED + "}\n")
+
+
+def metrics_a_link_to_a_system_file(run):
+    _link_to_passwd(_metrics(run))
+
+
+def metrics_a_fifo(run):
+    _make_fifo(_metrics(run))
+
+
+def metrics_a_directory(run):
+    _metrics(run).unlink()
+    _metrics(run).mkdir()
+
+
+def report_garbage(run):
+    _report(run).write_text("this is not json")
+
+
+def report_binary(run):
+    _report(run).write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+
+
+def report_an_empty_object(run):
+    _report(run).write_text("{}")
+
+
+def report_a_link_to_a_system_file(run):
+    _link_to_passwd(_report(run))
+
+
+def report_a_fifo(run):
+    _make_fifo(_report(run))
+
+
+def report_nested_10000_deep(run):
+    _report(run).write_text('{"schema": ' + NESTED + "}")
+
+
+def report_of_another_mode(run):
+    _report(run).write_text(json.dumps({"schema": "asyncrl.report/1", "mode": "sync", "metrics": {}, "series": {}, "scenario": {}}))
+
+
+def report_without_its_figures(run):
+    _report(run).write_text(json.dumps({"schema": "asyncrl.report/1", "mode": "async", "metrics": {}, "series": {}, "scenario": {}}))
+
+
+def mode_directory_a_file(run):
+    shutil.rmtree(run / "async")
+    (run / "async").write_text("a file where the mode's directory was\n")
+
+
+def mode_directory_a_link(run):
+    elsewhere = run.parent / "elsewhere"
+    (run / "async").rename(elsewhere)
+    (run / "async").symlink_to(elsewhere)
+
+
+def queue_journal_a_link_to_a_system_file(run):
+    """Opened to append on resume: a link would be written through."""
+    _link_to_passwd(run / "async" / "queue.journal")
+
+
+def queue_journal_a_fifo(run):
+    _make_fifo(run / "async" / "queue.journal")
+
+
+def lock_a_link_to_a_system_file(run):
+    _link_to_passwd(run / LOCK)
+
+
+def lock_a_directory(run):
+    (run / LOCK).unlink(missing_ok=True)
+    (run / LOCK).mkdir()
+
+
+def stamp_a_link(run):
+    (run / STAMP).rename(run.parent / "stamp")
+    (run / STAMP).symlink_to(run.parent / "stamp")
+
+
+def scenario_json_a_link(run):
+    (run / "scenario.json").rename(run.parent / "scenario.json")
+    (run / "scenario.json").symlink_to(run.parent / "scenario.json")
+
+
+def scenario_json_a_link_to_a_system_file(run):
+    _link_to_passwd(run / "scenario.json")
+
+
+def scenario_json_nested_10000_deep(run):
+    (run / "scenario.json").write_text('{"name": ' + NESTED + "}")
+
+
+def checkpoint_state_nested_200_deep(run):
+    """Contents that pass every format check (magic, version, checksums), nested past the bound."""
+    f = latest_state(run)
+    snap = checkpoint.decode(f.read_bytes())
+    deep: list = []
+    for _ in range(200):
+        deep = [deep]
+    snap.state["extra"] = deep
+    f.write_bytes(checkpoint.encode(snap))
+
+
+RESUME_CASES = [
+    # (damage, fragments of the one error line besides its path)
+    (metrics_garbage, ["async/metrics.jsonl: line 1: not JSON", "fix: delete it"]),
+    (metrics_binary, ["async/metrics.jsonl: line 1: byte 1 of the line is not UTF-8", "fix: delete it"]),
+    (metrics_garbage_after_good_lines, ["async/metrics.jsonl: line", "a JSON list, not an object", "fix: delete it"]),
+    (metrics_a_line_of_another_event, ["async/metrics.jsonl: line 1: event = 'lunch' is not one of step, sync", "fix:"]),
+    (metrics_nested_10000_deep, ["async/metrics.jsonl: line 1, column 149: values are nested more than 100 deep", "fix:"]),
+    (metrics_a_link_to_a_system_file, ["async/metrics.jsonl: is a symbolic link, which asyncrl does not follow", "fix: delete it"]),
+    (metrics_a_fifo, ["async/metrics.jsonl: is not a regular file (a FIFO", "fix:"]),
+    (metrics_a_directory, ["async/metrics.jsonl: is a directory", "fix:"]),
+    (report_garbage, ["async/report.json: line 1, column 1: not JSON", "to run mode async again"]),
+    (report_binary, ["async/report.json: byte 0 is not UTF-8", "to run mode async again"]),
+    (report_an_empty_object, ["async/report.json: not a report asyncrl wrote (no schema", "fix: delete", "to run mode async again"]),
+    (report_a_link_to_a_system_file, ["async/report.json: is a symbolic link", "to run mode async again"]),
+    (report_a_fifo, ["async/report.json: is not a regular file (a FIFO", "to run mode async again"]),
+    (report_nested_10000_deep, ["async/report.json: line 1, column 111: values are nested more than 100 deep", "fix: delete"]),
+    (report_of_another_mode, ["async/report.json: the report of mode 'sync', not of mode 'async'", "fix: delete"]),
+    (report_without_its_figures, ["metrics.throughput/trained_samples_per_s = None is not a number", "fix: delete"]),
+    (mode_directory_a_file, ["async: is a file, not the directory of mode async", "fix: move it out of the run directory"]),
+    (mode_directory_a_link, ["async: is a symbolic link, not the directory of mode async", "fix:"]),
+    (queue_journal_a_link_to_a_system_file, ["async/queue.journal: is a symbolic link, not the journal asyncrl wrote", "fix:"]),
+    (queue_journal_a_fifo, ["async/queue.journal: is not a regular file", "fix:"]),
+    (lock_a_link_to_a_system_file, [f"{LOCK} is a symbolic link, which asyncrl never follows", "fix: remove the link"]),
+    (lock_a_directory, [f"{LOCK} is not a regular file", "fix: remove it"]),
+    (stamp_a_link, [f"{STAMP} is a symbolic link, which asyncrl never follows", "fix: remove the link"]),
+    (scenario_json_a_link, ["scenario.json: is a symbolic link, which asyncrl never follows", "fix:"]),
+    (scenario_json_a_link_to_a_system_file, ["scenario.json: is a symbolic link", "fix:"]),
+    (scenario_json_nested_10000_deep, ["scenario.json: unreadable (line 1, column 109: values are nested more than 100 deep)", "fix:"]),
+    (checkpoint_state_nested_200_deep, ["state.ckpt", "state JSON unreadable", "nested more than 100 deep", "fix: delete this checkpoint"]),
+]
+
+
+@pytest.mark.parametrize("damage,fragments", RESUME_CASES, ids=[c[0].__name__ for c in RESUME_CASES])
+def test_a_damaged_run_directory_is_refused_naming_the_file(stopped_run, tmp_path, capsys, damage, fragments):
+    run = tmp_path / "run"
+    shutil.copytree(stopped_run, run, symlinks=True)
+    damage(run)
+    refused(capsys, ["--resume", str(run), "--no-plots"], [str(run), *fragments], tmp_path)
+
+
+def test_a_last_metrics_line_a_kill_cut_short_is_dropped_not_refused(stopped_run, tmp_path, capsys):
+    """What a kill leaves at the end of metrics.jsonl is no damage: the resume goes on."""
+    run = tmp_path / "run"
+    shutil.copytree(stopped_run, run)
+    f = _metrics(run)
+    whole = f.read_bytes()
+    f.write_bytes(whole + whole.splitlines(keepends=True)[0][:30])  # a line cut short, no newline
+    assert main(["--resume", str(run), "--no-plots"]) == 0
+    assert (run / "summary.json").is_file()
+    assert all(json.loads(line)["event"] for line in f.read_text().splitlines())
+
+
+# -- an env run's directory ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def env_stopped(tmp_path_factory) -> Path:
+    """An env run (PPO on CartPole, sync mode) stopped at learner version 2: seed-0/sync/."""
+    pytest.importorskip("torch")
+    pytest.importorskip("gymnasium")
+    run = tmp_path_factory.mktemp("env") / "run"
+    argv = [str(ROOT / "scenarios" / "cartpole-ppo.yaml"), "--out", str(run), "--no-plots", "--stop-at-step", "2",
+            *sets("modes=[sync]", "checkpoint.every=2", "env.env_steps=4096", "env.eval_every=2048", "env.eval_episodes=5",
+                  "ppo.epochs=2", "env.samplers=2", "seeds=[0]")]
+    assert main(argv) == 0
+    assert (run / "seed-0" / "sync" / "checkpoints").is_dir() and not (run / "summary.json").exists()
+    return run
+
+
+def env_report_garbage(run):
+    (run / "seed-0" / "sync" / "report.json").write_text("{ not json")
+
+
+def env_report_an_empty_object(run):
+    (run / "seed-0" / "sync" / "report.json").write_text("{}")
+
+
+def env_report_without_its_series(run):
+    (run / "seed-0" / "sync" / "report.json").write_text(json.dumps(
+        {"schema": "asyncrl.env-report/1", "mode": "sync", "metrics": {}, "series": {}, "scenario": {}}))
+
+
+def env_metrics_garbage(run):
+    (run / "seed-0" / "sync" / "metrics.jsonl").write_bytes(b"\xff\xfe garbage\n")
+
+
+def env_seed_directory_a_file(run):
+    shutil.rmtree(run / "seed-0")
+    (run / "seed-0").write_text("a file\n")
+
+
+ENV_RESUME_CASES = [
+    (env_report_garbage, ["seed-0/sync/report.json: line 1, column 3: not JSON", "seed-0/sync to run mode sync again"]),
+    (env_report_an_empty_object, ["seed-0/sync/report.json: not a report asyncrl wrote (no schema", "fix: delete"]),
+    (env_report_without_its_series, ["seed-0/sync/report.json: metrics has no time_to_target_s", "fix: delete"]),
+    (env_metrics_garbage, ["seed-0/sync/metrics.jsonl: line 1: byte 0 of the line is not UTF-8", "fix: delete it"]),
+    (env_seed_directory_a_file, ["seed-0: is a file, not the directory of seed 0", "fix:"]),
+]
+
+
+@pytest.mark.parametrize("damage,fragments", ENV_RESUME_CASES, ids=[c[0].__name__ for c in ENV_RESUME_CASES])
+def test_a_damaged_env_run_directory_is_refused_naming_the_file(env_stopped, tmp_path, capsys, damage, fragments):
+    run = tmp_path / "run"
+    shutil.copytree(env_stopped, run, symlinks=True)
+    damage(run)
+    refused(capsys, ["--resume", str(run), "--no-plots"], [str(run), *fragments], tmp_path)
+
+
+# -- arguments argparse cannot read --------------------------------------------------------------
+
+ARG_CASES = [
+    ("stop_at_step_not_a_number", ["--stop-at-step", "x"],
+     ["argument --stop-at-step: 'x' is not a whole number", "fix: give a whole number, e.g. --stop-at-step 6"]),
+    ("stop_at_step_a_fraction", ["--stop-at-step=1.5"], ["'1.5' is not a whole number", "fix: give a whole number"]),
+    ("stop_at_step_of_5000_digits", ["--stop-at-step", "9" * 5000], ["'99999999999999999999'... is not a whole number", "fix:"]),
+    ("stop_at_step_without_a_value", ["--stop-at-step"],
+     ["argument --stop-at-step: expected one argument", "fix: give it a value, e.g. --stop-at-step 6"]),
+    ("out_without_a_value", ["--out"], ["argument --out: expected one argument", "fix: give it a value, e.g. --out runs/my-run"]),
+    ("set_without_a_value", ["--set"], ["argument --set: expected one argument", "fix: give it a value, e.g. --set trainer.steps=100"]),
+    ("unknown_flag", ["--bogus"], ["--bogus: not an argument python -m harness.run takes", "fix: drop it; the options are", "--stop-at-step"]),
+    ("misspelt_flag", ["--sett", "trainer.steps=3"], ["--sett: not an argument", "fix: did you mean --set?"]),
+    ("two_scenario_files", [QUICK], [f"{QUICK}: not an argument", "fix: drop it"]),
+]
+
+
+@pytest.mark.parametrize("argv,fragments", [c[1:] for c in ARG_CASES], ids=[c[0] for c in ARG_CASES])
+def test_an_argument_error_is_one_line_not_the_usage(tmp_path, capsys, argv, fragments):
+    err = refused(capsys, [QUICK, "--no-plots", *argv], fragments, tmp_path)
+    assert "usage:" not in err
+
+
+def test_an_argument_error_from_the_command_line_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "harness.run", QUICK, "--stop-at-step", "x"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error:") and "fix:" in proc.stderr, proc.stderr
+
+
+# -- replacing a finished run --------------------------------------------------------------------
+
+RUN = [QUICK, "--no-plots", *sets("trainer.steps=6", "modes=[async]")]
+
+
+@pytest.fixture
+def finished(tmp_path) -> Path:
+    run = tmp_path / "run"
+    assert main([*RUN, "--out", str(run)]) == 0
+    return run
+
+
+def test_a_finished_run_s_stamp_lists_every_file_it_wrote(finished):
+    mark = json.loads((finished / STAMP).read_text())
+    assert mark["contents"] == contents(finished)
+    assert mark["contents"]["async/report.json"] == "file" and mark["contents"]["async"] == "dir"
+    assert STAMP not in mark["contents"] and LOCK not in mark["contents"]
+    assert is_owned(finished, "run")
+
+
+@pytest.mark.parametrize("where", ["notes.txt", "async/notes.txt", "async/mine/"])
+def test_a_users_file_in_a_finished_run_stops_its_replacement(finished, tmp_path, capsys, where):
+    user = finished / where
+    if where.endswith("/"):
+        user.mkdir()  # even an empty directory of the user's is not removed
+    else:
+        user.write_text("precious\n")
+    refused(capsys, [*RUN, "--out", str(finished), *sets("seed=1")],
+            [f"holds {user}".rstrip("/"), "which the earlier run did not write", "fix: move it out of", "or pass a new directory"],
+            tmp_path)
+    assert user.exists() and (finished / "summary.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no staging directory began
+
+
+def test_a_clean_finished_run_is_replaced_as_before(finished, tmp_path, capsys):
+    assert main([*RUN, "--out", str(finished), *sets("seed=1")]) == 0
+    assert json.loads((finished / "async" / "report.json").read_text())["seed"] == 1
+    assert json.loads((finished / STAMP).read_text())["contents"] == contents(finished)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_a_run_that_never_finished_is_replaced_only_if_it_holds_no_file(tmp_path, capsys):
+    """Without the list a finished run keeps, nothing tells asyncrl's files from the user's."""
+    killed = tmp_path / "killed"
+    (killed / "async").mkdir(parents=True)
+    (killed / STAMP).write_text(json.dumps({"owner": "asyncrl", "kind": "run"}))
+    (killed / "async" / "metrics.jsonl").write_text("")
+    refused(capsys, [*RUN, "--out", str(killed)],
+            [f"holds {killed / 'async' / 'metrics.jsonl'}", "no list of the files asyncrl wrote there", f"fix: remove {killed} yourself"],
+            tmp_path)
+    (killed / "async" / "metrics.jsonl").unlink()
+    assert main([*RUN, "--out", str(killed)]) == 0  # directories only: nothing of anyone's is lost
+
+
+def test_a_file_that_appears_in_the_old_run_while_the_new_one_runs_keeps_both(finished, tmp_path):
+    new = RunDirectory.claim(finished, "run")
+    (new.path / "summary.json").write_text("{}")
+    (finished / "notes.txt").write_text("written while the new run ran\n")
+    new.commit()
+    assert (finished / "notes.txt").is_file() and (finished / "async" / "report.json").is_file()
+    aside = tmp_path / "run-new"
+    assert new.path == aside and (aside / "summary.json").is_file() and is_owned(aside, "run")
+
+
+def test_a_users_file_in_a_finished_sweep_stops_its_replacement(tmp_path, capsys):
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("name: tiny\nmodes: [partial]\nresources: {rollout_gpus: 2, trainer_gpus: 2}\n"
+                     "trainer: {batch_size: 64, steps: 2}\nsweep:\n  axes:\n    staleness.max_staleness: [1]\n"
+                     "  mode: partial\n  workers: 1\n")
+    out = tmp_path / "out"
+    assert main([str(sweep), "--out", str(out), "--no-plots"]) == 0
+    assert json.loads((out / STAMP).read_text())["contents"] == contents(out)
+    (out / "points" / "notes.txt").write_text("mine\n")
+    refused(capsys, [str(sweep), "--out", str(out), "--no-plots"],
+            [f"holds {out / 'points' / 'notes.txt'}", "which the earlier sweep did not write", "fix:"], tmp_path)
+
+
+def test_a_finished_run_whose_lock_is_a_link_is_not_replaced(finished, tmp_path, capsys):
+    _link_to_passwd(finished / LOCK)
+    refused(capsys, [*RUN, "--out", str(finished)],
+            [f"{finished / LOCK} is a symbolic link, which asyncrl never follows", "fix: remove the link", "or pass a new directory"],
+            tmp_path)
+
+
+def test_a_stamp_nested_10000_deep_is_no_stamp(tmp_path, capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / STAMP).write_text(NESTED)
+    refused(capsys, [*RUN, "--out", str(mine)], ["exists and is not a run directory asyncrl created", "fix: pass a new directory"], tmp_path)
+
+
+# -- prompt and length files nested 10,000 deep --------------------------------------------------
+
+def _block_nested_text(depth: int) -> str:
+    """Block sequences nested on one line ("- - - 1"): deep without indenting 10,000 lines."""
+    return "- " * depth + "1\n"
+
+
+def _alias_bomb() -> str:
+    lines = ["l0: &l0 [1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 9)]
+    return "\n".join(lines) + "\nl9: [*l8, *l8, *l8, *l8, *l8, *l8, *l8, *l8, *l8]\n"
+
+
+# (key, file name, its text, fragments of the error line besides the file's path)
+NESTED_FILES = [
+    ("prompts_jsonl", "task.prompts", "p.jsonl",
+     '{"prompt": "a", "answer": "b"}\n{"prompt": "c", "answer": "d", "meta": ' + NESTED + "}\n",
+     ["task.prompts", "line 2, column 139: values are nested more than 100 deep", "fix:"]),
+    ("prompts_jsonl_a_bare_list", "task.prompts", "p.jsonl", NESTED + "\n",
+     ["task.prompts", "line 1, column 101: values are nested more than 100 deep", "fix:"]),
+    ("eval_prompts_jsonl", "task.eval_prompts", "e.jsonl", '{"prompt": ' + NESTED + "}\n",
+     ["task.eval_prompts", "line 1, column 111: values are nested more than 100 deep", "fix:"]),
+    ("lengths_json", "workload.lengths", "l.json", NESTED,
+     ["workload.lengths", "line 1, column 101: values are nested more than 100 deep", "fix:"]),
+    ("lengths_json_in_an_object", "workload.lengths", "l.json", '{\n  "edges": ' + NESTED + ', "counts": [1]\n}',
+     ["workload.lengths", "line 2, column 111: values are nested more than 100 deep", "fix:"]),
+    ("lengths_yaml_flow", "workload.lengths", "l.yaml", NESTED + "\n",
+     ["workload.lengths", "line 1, column 101: values are nested more than 100 deep", "fix:"]),
+    ("lengths_yaml_block", "workload.lengths", "l.yaml", _block_nested_text(DEEP),
+     ["workload.lengths", "line 1, column 201: values are nested more than 100 deep", "fix:"]),
+    ("lengths_yaml_alias_bomb", "workload.lengths", "l.yaml", _alias_bomb(),
+     ["workload.lengths", "once its aliases (*name) are expanded", "fix:"]),
+]
+
+
+@pytest.mark.parametrize("key,name,text,fragments", [c[1:] for c in NESTED_FILES], ids=[c[0] for c in NESTED_FILES])
+def test_a_file_nested_10000_deep_is_one_line(tmp_path, capsys, key, name, text, fragments):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    (inputs / name).write_text(text)
+    section, field = key.split(".")
+    extra = f"  prompts: {inputs / 'p0.jsonl'}\n" if field == "eval_prompts" else ""
+    if extra:
+        (inputs / "p0.jsonl").write_text('{"prompt": "a", "answer": "b"}\n')
+    scenario = inputs / "s.yaml"
+    scenario.write_text(f"name: nested\n{section}:\n  {field}: {inputs / name}\n{extra}")
+    refused(capsys, [str(scenario), "--out", str(tmp_path / "run")], [str(scenario), str(inputs / name), *fragments], tmp_path)
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_json_bound_skips_strings_and_counts_every_bracket():
+    """Brackets inside strings (escaped quotes too) are not nesting; 100 levels pass, 101 do not."""
+    text = '["' + "[{" * 500 + '\\"]]' + '"]'
+    assert loads_json(text) == ["[{" * 500 + '"]]']
+    assert loads_json("[" * 100 + "]" * 100) is not None
+    with pytest.raises(TooNested, match="line 2, column 102: values are nested more than 100 deep"):
+        loads_json("{\n  " + "[" * 100 + "]" * 100 + "}")
+    assert loads_yaml("a: [1, 2]\n") == {"a": [1, 2]}
+    with pytest.raises(TooNested, match="nested more than 100 deep"):
+        loads_yaml("[" * 101 + "]" * 101)
