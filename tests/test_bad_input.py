@@ -708,6 +708,18 @@ def test_a_reward_function_that_fails_while_the_run_runs(body, fragments, tmp_pa
     assert elapsed < 5 + 1, f"took {elapsed:.1f} s"
 
 
+def test_skipping_a_reward_that_fails_on_most_samples_ends_the_run_instead_of_starving_it(tmp_path, capsys, monkeypatch):
+    """reward.on_error: skip drops a group now and then; a function that fails on most calls
+    would drop every group, and the trainer would wait for ever: one line, exit 1."""
+    pytest.importorskip("torch")
+    name = _user_module(tmp_path, monkeypatch, "skip_all", "def score(prompt, response, answer, finished):\n    raise KeyError('answer')\n")
+    assert main([*REAL_SHORT, "--out", str(tmp_path / "run"), *sets(f"reward.fn={name}:score", "reward.on_error=skip")]) == 1
+    err = one_error(capsys)
+    assert "raised KeyError: 'answer' (16 of its 16 calls failed, more than half; skipping drops a group now and then" in err, err
+    assert "fix: make it score most responses" in err
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_reward_that_fails_on_one_sample_in_a_thousand_ends_the_run_or_is_skipped(tmp_path, capsys, monkeypatch):
     """The issue's case: one call in 1,000 raises. By default the run ends in one line naming
     that sample; with reward.on_error: skip its group is dropped with a reason, and the run

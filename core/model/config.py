@@ -592,7 +592,9 @@ class RewardSpec(_Frozen):
     """What a call of ``fn`` that raises, exits, times out or returns anything but a finite number
     does: ``fail`` ends the run in one line naming the function and the sample; ``skip`` drops
     that sample's group (GRPO's advantage is relative within the group), counted in the ledger
-    as ``samples/dropped_reward_error``, and the run goes on."""
+    as ``samples/dropped_reward_error``, and the run goes on, unless more than half of at
+    least 16 calls failed (core/real/task.py): then it ends as with ``fail``, since dropping
+    nearly every group would leave the trainer waiting for ever."""
 
     @model_validator(mode="after")
     def _importable(self) -> "RewardSpec":

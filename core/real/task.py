@@ -42,6 +42,10 @@ from core.model.user_code import UserCodeError
 
 log = logging.getLogger(__name__)
 
+# Failed reward calls that reward.on_error: skip drops before it looks at their share: past
+# this, more than half of the calls failing ends the run.
+SKIPPED_AT_LEAST = 16
+
 LETTERS = tuple(string.ascii_lowercase)
 DIGITS = tuple(string.digits)
 PAD, EOS, BOS, SEP = "<pad>", "<eos>", "<bos>", "="
@@ -144,6 +148,7 @@ class Task:
         ``skip_failed``: a reward function that fails gives ``REWARD_FAILED`` (its group is
         dropped) instead of raising (``reward.on_error: skip``)."""
         self.skip_failed = skip_failed
+        self._calls = self._failed = 0  # reward calls, and those that failed and were skipped
         self.prompts = prompts
         self.max_positions = max_positions
         self.max_response_len = max_response_len
@@ -196,6 +201,7 @@ class Task:
         ids = [int(t) for t in response_tokens]
         end = next((i for i, t in enumerate(ids) if t in self._eos), None)
         text = self._decode(ids if end is None else ids[:end])
+        self._calls += 1
         try:
             return self.score(
                 prompt=self.prompt_text(prompt_id, held_out), response=text,
@@ -205,6 +211,12 @@ class Task:
             exc = exc.doing_instead(self._scoring(prompt_id, held_out, sample))
             if not self.skip_failed:
                 raise exc from None
+            self._failed += 1
+            if self._failed >= SKIPPED_AT_LEAST and 2 * self._failed > self._calls:
+                # Skipping would drop nearly every group: the trainer would wait for ever.
+                raise UserCodeError(exc.key, exc.name, exc.doing, f"{exc.did} ({self._failed} of its {self._calls} calls "
+                                    "failed, more than half; skipping drops a group now and then, not most)",
+                                    "make it score most responses, starting with the one named here") from None
             log.warning("%s %s: %s; its group is dropped (reward.on_error: skip)", exc.key, exc.name, exc.problem)
             return REWARD_FAILED
 
