@@ -689,15 +689,22 @@ REAL_SHORT = [str(ROOT / "scenarios" / "real-cpu-torch.yaml"), "--no-plots",
                     "reward.timeout_s=1")]
 
 
+@pytest.fixture
+def real_short(tiny_model_dir) -> list[str]:
+    """``REAL_SHORT`` on the session's tiny model, built already: a case times the refusal,
+    never a first build of the model."""
+    return [*REAL_SHORT, *sets(f"tiny_model.path={tiny_model_dir}")]
+
+
 @pytest.mark.parametrize("body,fragments", [c[1:] for c in REWARD_BODIES], ids=[c[0] for c in REWARD_BODIES])
-def test_a_reward_function_that_fails_while_the_run_runs(body, fragments, tmp_path, capsys, monkeypatch):
+def test_a_reward_function_that_fails_while_the_run_runs(body, fragments, tmp_path, capsys, monkeypatch, real_short):
     """Exit 1 and one line naming the function, the sample and what it did; the run directory
     (nothing to resume) is removed; under 5 s past the start, plus the call's timeout."""
     pytest.importorskip("torch")
     name = _user_module(tmp_path, monkeypatch, "call", f"def score(prompt, response, answer, finished):\n    {body}\n")
     before = tree(tmp_path)
     t0 = time.monotonic()
-    rc = main([*REAL_SHORT, "--out", str(tmp_path / "run"), *sets(f"reward.fn={name}:score")])
+    rc = main([*real_short, "--out", str(tmp_path / "run"), *sets(f"reward.fn={name}:score")])
     elapsed = time.monotonic() - t0
     err = one_error(capsys)
     assert rc == 1, err
@@ -708,19 +715,19 @@ def test_a_reward_function_that_fails_while_the_run_runs(body, fragments, tmp_pa
     assert elapsed < 5 + 1, f"took {elapsed:.1f} s"
 
 
-def test_skipping_a_reward_that_fails_on_most_samples_ends_the_run_instead_of_starving_it(tmp_path, capsys, monkeypatch):
+def test_skipping_a_reward_that_fails_on_most_samples_ends_the_run_instead_of_starving_it(tmp_path, capsys, monkeypatch, real_short):
     """reward.on_error: skip drops a group now and then; a function that fails on most calls
     would drop every group, and the trainer would wait for ever: one line, exit 1."""
     pytest.importorskip("torch")
     name = _user_module(tmp_path, monkeypatch, "skip_all", "def score(prompt, response, answer, finished):\n    raise KeyError('answer')\n")
-    assert main([*REAL_SHORT, "--out", str(tmp_path / "run"), *sets(f"reward.fn={name}:score", "reward.on_error=skip")]) == 1
+    assert main([*real_short, "--out", str(tmp_path / "run"), *sets(f"reward.fn={name}:score", "reward.on_error=skip")]) == 1
     err = one_error(capsys)
     assert "raised KeyError: 'answer' (16 of its 16 calls failed, more than half; skipping drops a group now and then" in err, err
     assert "fix: make it score most responses" in err
     assert not (tmp_path / "run").exists()
 
 
-def test_a_reward_that_fails_on_one_sample_in_a_thousand_ends_the_run_or_is_skipped(tmp_path, capsys, monkeypatch):
+def test_a_reward_that_fails_on_one_sample_in_a_thousand_ends_the_run_or_is_skipped(tmp_path, capsys, monkeypatch, tiny_model_dir):
     """The issue's case: one call in 1,000 raises. By default the run ends in one line naming
     that sample; with reward.on_error: skip its group is dropped with a reason, and the run
     finishes with nothing lost."""
@@ -733,7 +740,8 @@ def test_a_reward_that_fails_on_one_sample_in_a_thousand_ends_the_run_or_is_skip
               "        raise ValueError(f'call {calls}')\n"
               "    return min(1.0, len(response.split()) / 8) if finished else 0.0\n")
     run = [str(ROOT / "scenarios" / "real-cpu-torch.yaml"), "--no-plots",
-           *sets("modes=[async]", "trainer.steps=20", "trainer.batch_size=64", "workload.max_response_len=16", "eval.every=0")]
+           *sets("modes=[async]", "trainer.steps=20", "trainer.batch_size=64", "workload.max_response_len=16", "eval.every=0",
+                 f"tiny_model.path={tiny_model_dir}")]
     name = _user_module(tmp_path, monkeypatch, "one_in_1000", source)
     assert main([*run, "--out", str(tmp_path / "failed"), *sets(f"reward.fn={name}:score")]) == 1
     err = one_error(capsys)
@@ -1013,11 +1021,11 @@ def test_a_held_out_prompt_too_long_is_refused_too(users_model, tmp_path, capsys
             [f"task.eval_prompts = '{held_out}': the prompt of line 2 is 450 tokens, more than the 448", "fix:"], tmp_path)
 
 
-def test_a_prompt_too_long_for_the_tiny_model_is_refused_as_it_is_built(tiny_model_dir, tmp_path, capsys):
+def test_a_prompt_too_long_for_the_tiny_model_is_refused_as_it_is_built(real_short, tmp_path, capsys):
     """Without model.path the tokenizer is the tiny model's, built with the run: its prompts are
     counted as it is built, before any worker starts, and refused the same way."""
     prompts = _prompts(tmp_path / "p.jsonl", ["a b =", "c d =", "a b c d e f g h " * 70 + "="])
-    refused(capsys, [*REAL_SHORT, "--out", str(tmp_path / "run"), *sets(f"task.prompts={prompts}", f"tiny_model.path={tiny_model_dir}")],
+    refused(capsys, [*real_short, "--out", str(tmp_path / "run"), *sets(f"task.prompts={prompts}")],
             [f"task.prompts = '{prompts}': the prompt of line 3 is", "that tiny_model.max_positions = 512 leaves beside "
              "workload.max_response_len = 8", "fix: shorten or drop it"], tmp_path)
 
