@@ -26,7 +26,7 @@ from rich.table import Table
 from core.env.footprint import check_memory
 from core.env.sync_loop import EnvCurve, run_sync
 from core.env.wiring import env_space
-from core.model.config import ECHO_CHARS, ConfigError, shown
+from core.model.config import ConfigError, clipped, shown
 from core.model.env_config import EnvScenario
 from core.model.progress import ProgressFn
 from core.runtimes.ray import cluster
@@ -118,22 +118,17 @@ def check_new(variants: list[Variant], args) -> None:
         raise ScenarioError(str(exc)) from None
     except (gym.error.Error, ImportError) as exc:
         reason = " ".join(str(exc).split())
-        raise ScenarioError(f"env.id = {shown(sc.env.id)}: {_clip(reason)}; fix: a gymnasium id with a vector observation, e.g. "
+        raise ScenarioError(f"env.id = {shown(sc.env.id)}: {clipped(reason)}; fix: a gymnasium id with a vector observation, e.g. "
                             "CartPole-v1 (MuJoCo ids such as HalfCheetah-v5 need: pip install -e '.[mujoco]')") from None
     except Exception as exc:  # noqa: BLE001 - a user's env that fails to build: one line, not its traceback
         reason = " ".join(f"{type(exc).__name__}: {exc}".split())
-        raise ScenarioError(f"env.id = {shown(sc.env.id)}: making it failed ({_clip(reason)}); fix: make the env build with "
+        raise ScenarioError(f"env.id = {shown(sc.env.id)}: making it failed ({clipped(reason)}); fix: make the env build with "
                             "gymnasium.make alone, or use another id") from None
     check_places(sc)
     try:
         check_memory(sc, space)
     except ConfigError as exc:
         raise ScenarioError(str(exc)) from None
-
-
-def _clip(text: str) -> str:
-    """An exception's message cut short: the line never echoes a page of it."""
-    return text if len(text) <= ECHO_CHARS else text[: ECHO_CHARS - 3] + "..."
 
 
 def check_places(sc: EnvScenario) -> None:

@@ -41,7 +41,7 @@ from core.runtimes.ray import cluster
 from core.runtimes.ray_checkpoint import load_ray_run
 from core.runtimes.run_checkpoint import load_run, scenario_digest
 from core.store.checkpoint import CheckpointError
-from core.model.config import ConfigError, with_changes
+from core.model.config import ConfigError, clipped, with_changes
 from core.model.env_config import EnvScenario
 from harness import report
 from harness.console import (
@@ -77,8 +77,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _argument_error(message: str, options: list[str]) -> str:
-    message = " ".join(message.split())
-    message = message if len(message) <= 200 else message[:197] + "..."  # a long value is echoed, never whole
+    message = clipped(" ".join(message.split()))  # a long value is echoed, never whole
     if message.startswith("unrecognized arguments: "):
         given = message.split(": ", 1)[1].split()[0]
         close = difflib.get_close_matches(given.split("=")[0], options, n=1, cutoff=0.75)

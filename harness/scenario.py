@@ -16,7 +16,7 @@ from typing import Any, Optional
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from core.model.config import ECHO_CHARS, REFUSED, ConfigError, Scenario, name_problem, safe_name, set_dotted, shown
+from core.model.config import REFUSED, ConfigError, Scenario, clipped, name_problem, safe_name, set_dotted, shown
 from core.model.env_config import EnvScenario
 from core.model.bounded_parse import TooNested, check_yaml_events, loads_json
 from core.model.regular_file import UnreadableFile, read_regular
@@ -90,11 +90,6 @@ def _at(text: str, index: int) -> str:
     start = text.rfind("\n", 0, index) + 1
     line = text.count("\n", 0, index) + 1
     return f"line {line}, column {index - start + 1}"
-
-
-def _clip(text: str) -> str:
-    """At most ``ECHO_CHARS`` of a piece of the user's text, as it is (no quotes)."""
-    return text if len(text) <= ECHO_CHARS else text[: ECHO_CHARS - 3] + "..."
 
 
 def parse_yaml(text: str, where: str) -> Any:
@@ -242,7 +237,7 @@ def _parse_sets(overrides: list[str]) -> list[tuple[str, Any, str]]:
         parts = key.split(".")
         if not eq or not key or any(not p for p in parts) or len(parts) > MAX_KEY_PARTS:
             raise ScenarioError(f"--set {shown(item)}: expected dotted.key=value; fix: e.g. --set trainer.steps=100")
-        where = f"--set {_clip(item)}"
+        where = f"--set {clipped(item)}"
         try:
             value = parse_yaml(raw, where) if raw.strip() else raw
         except _NotYaml:
@@ -270,7 +265,7 @@ def load_resolved(path: str | Path) -> Scenario:
     except UnreadableFile as exc:
         raise ScenarioError(str(exc)) from None
     except (ValueError, RecursionError) as exc:
-        raise ScenarioError(f"{path}: unreadable ({_clip(str(exc))}); fix: {fix}") from None
+        raise ScenarioError(f"{path}: unreadable ({clipped(str(exc))}); fix: {fix}") from None
     if not isinstance(data, dict):
         raise ScenarioError(f"{path}: not a scenario (a JSON object); fix: resume a run directory that asyncrl wrote")
     return _build(data, [], {"": str(path)})
@@ -306,7 +301,7 @@ def load_variants(path: str | Path, overrides: list[str] = ()) -> list[Variant]:
         label = str(label)
         problem = name_problem(label)
         if problem is not None:  # a label names the variant's directory and titles its plots
-            raise ScenarioError(f"{path}: variants.{_clip(label)}: the label {problem}; fix: use e.g. {safe_name(label)!r}")
+            raise ScenarioError(f"{path}: variants.{clipped(label)}: the label {problem}; fix: use e.g. {safe_name(label)!r}")
         where = f"{path}: variants.{label}"
         body = {} if body is None else body
         if not isinstance(body, dict) or set(body) - {"set", "published"}:

@@ -65,7 +65,11 @@ _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxlong, _SHORT.maxother = 3, ECHO_CHA
 def shown(value: object) -> str:
     """``repr(value)`` cut short: an error message never echoes an unbounded value (a YAML alias
     bomb expands to gigabytes), and building it costs as little (reprlib stops early)."""
-    text = _SHORT.repr(value)
+    return clipped(_SHORT.repr(value))
+
+
+def clipped(text: str) -> str:
+    """At most ``ECHO_CHARS`` of a piece of text an error line repeats, as it is (no quotes)."""
     return text if len(text) <= ECHO_CHARS else text[: ECHO_CHARS - 3] + "..."
 
 
