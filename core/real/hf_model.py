@@ -15,7 +15,7 @@ from pathlib import Path
 from core.model import model_dir
 from core.model.config import TINY_MODEL_KIND, Scenario
 from core.model.owned import is_owned
-from core.real.tiny_model import ensure
+from core.real.tiny_model import ensure, quiet_transformers
 
 # transformers builds a model on the meta device under process-wide state: two threads
 # loading at once corrupt each other (a tied lm_head left on meta), so loads take turns.
@@ -40,11 +40,8 @@ def load_model(path: str | Path, **kwargs):
     safe to call from several threads."""
     import torch  # imported on use: a sim run never pays for torch
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as transformers_logging
 
-    # HF_HUB_DISABLE_PROGRESS_BARS (apply_env) binds only if set before transformers is first
-    # imported; a bar on stderr would add lines to a run's one error line.
-    transformers_logging.disable_progress_bar()
+    quiet_transformers()
     kwargs.setdefault("dtype", torch.float32)
     with _LOAD_LOCK:
         return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, use_safetensors=True, **kwargs)

@@ -35,6 +35,15 @@ BUILD_VERSION = 1
 STAMP = "asyncrl-tiny-model.json"
 
 
+def quiet_transformers() -> None:
+    """No progress bars from transformers' loads and saves: HF_HUB_DISABLE_PROGRESS_BARS
+    (core/real/workers.py) binds only if set before transformers is first imported, and a bar
+    on stderr would add lines to a run's one error line."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+
+
 def build(out: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
     """Write the model directory ``out``: a new one, or in place of an older build of asyncrl's
     (another spec); ``NotOwned`` before anything is written if ``out`` is anything else."""
@@ -42,6 +51,7 @@ def build(out: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+    quiet_transformers()
     out = Path(out)
     if (out.exists() or out.is_symlink()) and (out.is_symlink() or not is_owned(out, TINY_MODEL_KIND)):
         raise NotOwned(f"{out}: exists and is not a tiny model asyncrl built; refusing to write into it (use it as model.path)")
