@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from core.model.config import Scenario
-from core.model.result import RunResult
 from core.model.bounded_parse import loads_json
+from core.model.config import Scenario
 from core.model.regular_file import UnreadableFile, read_regular
+from core.model.result import RunResult
 from core.store.checkpoint import write_atomic
 from harness.metrics import bounds, collect, series
 from ext import codec, replay, squeue
