@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import queue
+import sys
 import threading
 from typing import Any, Callable, Optional
 
@@ -123,12 +124,16 @@ def import_function(key: str, name: str, timeout_s: float, fix: str) -> Callable
         raise UserCodeError(key, name, "", "is not module:function", fix)
 
     def load() -> Any:
+        # The user's directory is theirs: no __pycache__ left in it, even by an import that is refused.
+        writes, sys.dont_write_bytecode = sys.dont_write_bytecode, True
         try:
             return importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
             if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
                 raise _NotFound(repr(exc.name)) from None
             raise
+        finally:
+            sys.dont_write_bytecode = writes
 
     try:
         module = run_guarded(load, timeout_s=timeout_s, key=key, name=name, doing=f"importing {module_name}", fix=fix)
