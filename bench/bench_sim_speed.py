@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from core.model.run_plan import RunPlan
 from core.runtimes.sim import run_sim
 from harness.scenario import load
 
@@ -29,7 +30,7 @@ CASES = {
 @pytest.fixture(scope="module", autouse=True)
 def warm() -> None:
     """Imports and first-call costs out of the measured runs."""
-    run_sim(load(SCENARIO, ["trainer.steps=2"]), "async")
+    run_sim(RunPlan.of(load(SCENARIO, ["trainer.steps=2"]), "async"))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -39,7 +40,7 @@ def test_sim_samples_per_cpu_second(benchmark, case):
 
     def run() -> int:
         t0 = time.process_time()
-        result = run_sim(sc, "async")
+        result = run_sim(RunPlan.of(sc, "async"))
         rates.append(result.ledger.produced / (time.process_time() - t0))
         return result.ledger.produced
 

@@ -7,12 +7,15 @@ Rollouter itself or a proxy to it in another actor. They meet here.
 
 from __future__ import annotations
 
+import asyncio
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Protocol
+from typing import Any, Callable, Literal, Optional, Protocol
 
 import numpy as np
 
 from core.model.sample import Group
+
 
 class RunStopped(Exception):
     """The run was stopped on purpose after a step (``stop_at_step``), as a crash would stop
@@ -54,9 +57,11 @@ class Engine(Protocol):
         """Go on decoding what ``freeze`` stopped; tokens from here on carry the version loaded
         since, and no context is prefilled again."""
 
-    # Optional: ``answers_now() -> bool``, True while abort_all, update_weights and clear_cache
-    # would return without waiting (a simulated engine with no fault set). The Rollouter then
-    # makes those calls one after the other instead of as a task each.
+    def answers_now(self) -> bool:
+        """True while abort_all, update_weights and clear_cache would return without waiting (a
+        simulated engine with no fault set): the Rollouter then makes those calls one after the
+        other instead of as a task each. An engine that subclasses this protocol inherits False."""
+        return False
 
     async def recover(self) -> None:
         """After a loss: kill what is left of the worker and wait until it is back."""
@@ -128,10 +133,56 @@ class TrainBackend(Protocol):
     def load(self, tensors: dict[str, dict[str, np.ndarray]]) -> None:
         """Back to what ``state_dict`` returned."""
 
+    def state(self) -> dict:
+        """The counters a checkpoint keeps (its tensors go through ``state_dict``). A backend
+        that subclasses this protocol inherits this and ``restore``."""
+        return {"compute_s": self.compute_s, "flops": self.flops}
+
+    def restore(self, state: dict) -> None:
+        self.compute_s, self.flops = state["compute_s"], state["flops"]
+
 
 class WeightTransfer(Protocol):
+    """A point-to-point transfer: the trainer publishes, then the engines load what it returns."""
+
     async def send(self, version: int) -> Any:
         """Publish the trainer's weights as ``version``; returns what every engine loads."""
+
+
+class CollectiveTicket(ABC):
+    """What the engines load in a collective sync: they take it together, while the trainer
+    sends, never one alone. The rollout side addresses it to the engines that take part."""
+
+    version: int
+
+    @abstractmethod
+    def addressed(self, members: list[str], regroup: bool) -> "CollectiveTicket":
+        """This ticket for ``members``; ``regroup``: they form a new group (one was restarted)."""
+
+
+class CollectiveTransfer(ABC):
+    """A collective transfer (a broadcast): ParamSync hands the rollout side a ticket, then sends
+    while the engines receive; the two run at once."""
+
+    @abstractmethod
+    def ticket(self, version: int) -> CollectiveTicket: ...
+
+    @abstractmethod
+    async def send(self, ticket: CollectiveTicket, receiving: "asyncio.Future") -> None:
+        """Send while ``receiving`` (the engines' loads) runs; return once everything is out, or at
+        once when the rollout side ends ``receiving`` without taking part."""
+
+
+class ReservingClock(ABC):
+    """An event loop that can reserve a timer's place now and set it later (the virtual clock):
+    a deadline that is only set if its call comes to wait keeps the order of timers it would
+    have had. Real loops are not; the deadline is then set at once."""
+
+    @abstractmethod
+    def reserve_timer(self) -> int: ...
+
+    @abstractmethod
+    def call_at_reserved(self, when: float, seq: int, callback: Callable[[], None]) -> Any: ...
 
 
 class RolloutControl(Protocol):

@@ -36,6 +36,7 @@ from rich.table import Table
 from core.model.bounded_parse import TooNested, loads_yaml
 from core.model.config import ConfigError, Placement, Scenario
 from core.model.regular_file import UnreadableFile, read_regular
+from core.model.run_plan import RunPlan
 from core.runtimes.sim import run_sim
 from core.sim.phase_fit import fit_phases
 from harness import report
@@ -273,7 +274,7 @@ def predict(run_dir: Path, scenario: Scenario, fitted_mode: str) -> list[dict]:
             measured = report.read_json(rep, "run the scenario again")["metrics"]
         except (report.ReportError, KeyError) as exc:
             raise CalibrationError(f"{rep}: not a report of this run ({exc}); fix: run the scenario again") from None
-        predicted = report.build(scenario, run_sim(scenario, mode), {})["metrics"]
+        predicted = report.build(scenario, run_sim(RunPlan.of(scenario, mode)), {})["metrics"]
         row = {"mode": mode, "held_out": mode != fitted_mode}
         for k in _COMPARED:
             row[k] = (measured[k], predicted[k], predicted[k] / measured[k] - 1.0 if measured[k] else math.nan)

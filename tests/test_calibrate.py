@@ -15,6 +15,7 @@ import yaml
 
 from core.model.config import ConfigError, Placement, Scenario, with_changes
 from core.runtimes.dispatch import run_mode
+from core.model.run_plan import RunPlan
 from core.runtimes.sim import run_sim
 from core.sim.costs import DecodeCost, TrainCost
 from core.sim.workload import Workload
@@ -114,7 +115,7 @@ def test_round_trip_sim_spans_calibrate_sim(tmp_path, monkeypatch):
     assert written["runtime"] == "sim" and written["workload"]["lengths"] == "cal.lengths.json"
     cal_sc = Scenario.model_validate(written)
     for mode in ("sync", "async", "partial"):
-        a, b = collect(run_sim(sc, mode)), collect(run_sim(cal_sc, mode))
+        a, b = collect(run_sim(RunPlan.of(sc, mode))), collect(run_sim(RunPlan.of(cal_sc, mode)))
         for key in ("throughput/trained_samples_per_s", "throughput/trained_tokens_per_s"):
             assert b[key] == pytest.approx(a[key], rel=0.03), (mode, key)
 
@@ -238,7 +239,7 @@ def test_published_phase_times_give_cost_changes(capsys):
 
 
 def test_sim_runs_write_no_spans():
-    assert calibration_spans(run_sim(with_changes(truth(), {"trainer.steps": 2}), "async")) is None
+    assert calibration_spans(run_sim(RunPlan.of(with_changes(truth(), {"trainer.steps": 2}), "async"))) is None
 
 
 def test_real_run_writes_spans_that_calibrate(tmp_path, tiny_model_dir, monkeypatch):
@@ -261,7 +262,7 @@ def test_real_run_writes_spans_that_calibrate(tmp_path, tiny_model_dir, monkeypa
     monkeypatch.chdir(tmp_path)
     assert main([str(run), "-o", "cal.yaml"]) == 0
     cal_sc = Scenario.model_validate(yaml.safe_load(Path("cal.yaml").read_text()))
-    assert collect(run_sim(cal_sc, "sync"))["samples/trained"] == 4 * sc.trainer.batch_size
+    assert collect(run_sim(RunPlan.of(cal_sc, "sync")))["samples/trained"] == 4 * sc.trainer.batch_size
 
 
 def test_module_is_the_cli():

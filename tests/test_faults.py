@@ -29,13 +29,14 @@ from core.store import checkpoint
 from core.store.checkpoint import CheckpointError, Snapshot
 from core.model.config import MODES, ConfigError, Scenario, with_changes
 from core.runtimes.dispatch import run_mode
-from core.api import RunStopped
+from core.api import Engine, RunStopped
 from core.sim.costs import DecodeCost
 from core.sim.engine import SimEngine
 from core.sim.workload import Workload
 from core.model.faults import CallTimeout, RestartsExhausted, WorkerLost
 from core.pipeline.supervised_engine import SupervisedEngine
 from core.model.group_wire import to_record
+from core.model.run_plan import RunPlan
 from core.model.ledger import Ledger
 from harness.metrics import WALL_CLOCK_KEYS, collect, series
 from core.store.queue_journal import FRAME, QueueJournal
@@ -603,7 +604,7 @@ def test_a_checkpoint_save_that_fails_midway_leaves_the_previous_one_intact(tmp_
     assert checkpoint.load(checkpoint.latest(tmp_path)).state == {"step": 1}
 
 
-class Stuck:
+class Stuck(Engine):
     """An engine whose every call hangs."""
 
     name = "engine007"
@@ -676,7 +677,7 @@ def test_a_hung_call_its_caller_gives_up_on_leaves_the_worker_stuck_until_a_rest
     assert virtual_clock.run(main()) == ("update_weights", None, 1)
 
 
-class Fake:
+class Fake(Engine):
     """A rollout engine on the virtual clock: a generation takes 10 s; abort_all cancels the
     streams under way, which then raise CancelledError out of generate, as vLLM's do."""
 
@@ -909,7 +910,7 @@ def test_a_failed_reward_scores_the_finished_group_again_and_loses_nothing():
     assert ro.ledger.requeued == 2 and ro.in_flight() == 0
 
 
-class _Answering:
+class _Answering(Engine):
     """An engine that says its control calls answer at once; ``wait`` makes clear_cache lie."""
 
     name = "answering"
@@ -956,10 +957,10 @@ def test_a_trainer_killed_between_its_checkpoint_and_the_ack_is_not_given_its_tr
     """The ray trainer saves its checkpoint, then acknowledges the queue: a kill in between
     leaves groups unacknowledged that the restored ledger counts as trained. The rollout actor
     acknowledges those from the ledger's mask and redelivers only the rest."""
-    from core.runtimes.ray import RolloutHost  # imports torch (core.real): only this test pays for it
+    from core.runtimes.ray_rollout_host import RolloutHost  # imports torch (core.real): only this test pays for it
 
     async def main():
-        host = RolloutHost(base(), "async", str(tmp_path))
+        host = RolloutHost(RunPlan.of(base(), "async"), str(tmp_path))
         host.queue = durable_queue(tmp_path)
         gs = [group(i) for i in range(3)]
         for g in gs:

@@ -11,6 +11,7 @@ from core.model.progress import StepTrained
 from core.model.timeline import GENERATE, TRAIN
 from core.pipeline.wiring import in_flight
 from core.runtimes.dispatch import run_mode
+from core.model.run_plan import RunPlan
 from core.runtimes.inproc import drive
 from core.runtimes.sim import connect_sim
 from core.sim import virtual_clock
@@ -118,8 +119,9 @@ def test_the_ledger_balances_after_every_step_not_only_at_the_end(sc, mode):
             assert led.produced == led.trained + led.dropped_total + in_flight(system), f"step {event.step}"
             checked.append(event.step)
 
-        system = connect_sim(sc, mode, on_step=check)
-        await drive(system)
+        run = connect_sim(RunPlan.of(sc, mode), on_step=check)
+        system = run.system
+        await drive(run)
 
     virtual_clock.run(main())
     assert checked == list(range(1, sc.trainer.steps + 1))

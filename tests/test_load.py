@@ -39,8 +39,9 @@ if __name__ == "__main__":  # a run's own process: import this tree's code
 
 from core.sim import virtual_clock  # noqa: E402
 from core.model.config import TinyModelSpec, with_changes  # noqa: E402
-from core.pipeline.wiring import System, connect_components  # noqa: E402
-from core.runtimes.inproc import drive  # noqa: E402
+from core.model.run_plan import RunPlan  # noqa: E402
+from core.pipeline.wiring import System  # noqa: E402
+from core.runtimes.inproc import InProcRun, connect_inproc, drive  # noqa: E402
 from core.runtimes.sim import connect_sim  # noqa: E402
 from harness.metrics import collect  # noqa: E402
 from core.model.timeline import GENERATE, Timeline  # noqa: E402
@@ -92,11 +93,11 @@ class Watch:
     series: list[tuple[float, int, float, float, int]] = field(default_factory=list)
 
 
-async def watched_drive(system: System, every_s: float, keep: list | None = None) -> Watch:
+async def watched_drive(run: InProcRun, every_s: float, keep: list | None = None) -> Watch:
     """``drive`` under watch. ``keep`` collects every queued group: a deliberate leak, to show
     the memory check sees one."""
     w = Watch()
-    queue = system.queue
+    queue = run.system.queue
     put = queue.put
 
     async def put_and_measure(item, version, timeout=None):
@@ -116,7 +117,7 @@ async def watched_drive(system: System, every_s: float, keep: list | None = None
 
     sampler = asyncio.create_task(sample(), name="load-watch")
     try:
-        w.end_s = await drive(system)
+        w.end_s = await drive(run)
     finally:
         sampler.cancel()
     w.series.append((w.end_s, len(queue), rss_mb(), held_mb(), sys.getallocatedblocks()))
@@ -203,8 +204,8 @@ def run_sim(mode: str, leak: bool) -> dict:
     sc = load(LOAD)
 
     async def main():
-        system = connect_sim(sc, mode)
-        return figures(system, await watched_drive(system, every_s=1.0, keep=[] if leak else None))
+        run = connect_sim(RunPlan.of(sc, mode))
+        return figures(run.system, await watched_drive(run, every_s=1.0, keep=[] if leak else None))
 
     return virtual_clock.run(main())
 
@@ -309,13 +310,14 @@ def run_local(mode: str, model_dir: str) -> dict:
 
     async def main():
         timeline = Timeline()
-        workers = local_workers(sc, mode, timeline)
+        plan = RunPlan.of(sc, mode)
+        workers = local_workers(plan, timeline)
         backend = workers.backend = SlowTrainer(workers.backend, STEP_S, WARM_UP_STEPS)
         await asyncio.gather(*(e.start() for e in workers.engines))
-        system = connect_components(sc, mode, workers, timeline)
+        run = connect_inproc(plan, workers, timeline)
         asyncio.get_running_loop().zero()
-        w = await watched_drive(system, every_s=0.25)
-        f = figures(system, w, since_s=backend.slow_since)
+        w = await watched_drive(run, every_s=0.25)
+        f = figures(run.system, w, since_s=backend.slow_since)
         f["real_step_s"] = backend.real_s / slow_steps
         return f
 

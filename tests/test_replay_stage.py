@@ -8,7 +8,7 @@ import pytest
 from core.model.config import Scenario, with_changes
 from core.runtimes.dispatch import run_mode
 from harness.metrics import WALL_CLOCK_KEYS, collect
-from core.pipeline.replay_stage import staleness_bound
+from core.model.run_plan import staleness_bound
 from core.sim.workload import Workload
 
 BASE = {

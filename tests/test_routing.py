@@ -3,6 +3,7 @@ and aborts to every engine at once."""
 
 import asyncio
 
+from core.api import CollectiveTicket, CollectiveTransfer, Engine
 from core.model.config import Scenario, with_changes
 from core.model.faults import CollectiveBroken, WorkerLost
 from core.pipeline.param_sync import ParamSync
@@ -13,7 +14,7 @@ from harness.metrics import collect
 from tests.test_faults import rollouter as fault_test_rollouter
 
 
-class Slow:
+class Slow(Engine):
     """A remote-like engine on the virtual clock: prompt 0 takes 2 s, the others 10 s, one
     token a second; abort_all ends the generations under way, their tokens kept."""
 
@@ -213,10 +214,8 @@ def test_the_sim_moves_the_groups_of_a_worker_lost_during_a_sync():
     assert m["samples/lost"] == 0
 
 
-class Ticket:
+class Ticket(CollectiveTicket):
     """Collective weights, as a broadcast ticket is to the Rollouter: every receiver named first."""
-
-    collective = True
 
     def __init__(self, members=(), regroup=False) -> None:
         self.members, self.regroup = members, regroup
@@ -333,10 +332,8 @@ def test_an_error_a_generation_did_not_expect_fails_the_run_instead_of_stalling_
     assert virtual_clock.run(main()) == "not a lost worker: a bug"
 
 
-class BreaksOnce:
+class BreaksOnce(CollectiveTransfer):
     """A collective transfer whose first send breaks (a member died mid-way)."""
-
-    collective = True
 
     def __init__(self) -> None:
         self.sends = 0

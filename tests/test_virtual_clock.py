@@ -3,6 +3,7 @@ import time
 
 import pytest
 
+from core.api import Engine
 from core.model.faults import CallTimeout
 from core.pipeline.supervised_engine import SupervisedEngine
 from core.sim import virtual_clock
@@ -115,7 +116,7 @@ def test_a_supervised_call_times_out_at_its_deadline_and_others_do_not():
 
 
 def test_a_control_call_sets_its_deadline_timer_only_if_it_waits_and_then_times_out_at_its_deadline():
-    class Engine:
+    class Hung(Engine):
         name = "e"
 
         async def clear_cache(self):
@@ -126,7 +127,7 @@ def test_a_control_call_sets_its_deadline_timer_only_if_it_waits_and_then_times_
 
     async def main():
         loop = asyncio.get_running_loop()
-        e = SupervisedEngine(Engine(), generate_s=10.0, control_s=5.0, restart_s=5.0, max_restarts=1)
+        e = SupervisedEngine(Hung(), generate_s=10.0, control_s=5.0, restart_s=5.0, max_restarts=1)
         await asyncio.sleep(1.0)
         for _ in range(3):
             await e.clear_cache()

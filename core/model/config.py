@@ -735,6 +735,10 @@ class CheckpointSpec(_Frozen):
     keep: int = Field(2, ge=1, le=MAX_STEPS)
     """Checkpoints kept per mode; older ones are deleted once a newer one is complete."""
 
+    def due(self, version: int) -> bool:
+        """Whether the sync to ``version`` takes a checkpoint."""
+        return bool(self.every) and version % self.every == 0
+
 
 Logger = Literal["tensorboard", "wandb", "mlflow"]
 

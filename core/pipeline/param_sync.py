@@ -15,7 +15,7 @@ import asyncio
 import logging
 from typing import Awaitable, Callable, Optional
 
-from core.api import PauseMode, RolloutControl, WeightTransfer
+from core.api import CollectiveTransfer, PauseMode, RolloutControl, WeightTransfer
 from core.model.faults import CollectiveBroken
 from core.model.progress import WeightsSynced
 from core.model.timeline import SYNC, Timeline
@@ -31,10 +31,12 @@ class ParamSync:
         self,
         *,
         rollouter: RolloutControl,
-        transfer: WeightTransfer,
+        transfer: WeightTransfer | CollectiveTransfer,
         mode: PauseMode,
         timeline: Optional[Timeline] = None,
         on_synced: Optional[Callable[[WeightsSynced], None]] = None,
+        checkpoint: Optional[Callable[[int, float, float], Awaitable[None]]] = None,
+        checkpoint_due: Callable[[int], bool] = lambda version: False,
     ) -> None:
         self.rollouter = rollouter
         self.transfer = transfer
@@ -46,17 +48,24 @@ class ParamSync:
         self.transfer_s: list[float] = []
         # Called while rollout is paused, before the weights leave: a checkpoint there holds
         # no generation in flight, and weights never run ahead of the latest checkpoint.
-        self.checkpoint: Optional[Callable[[int, float, float], Awaitable[None]]] = None
-        # Whether the checkpoint at a version captures the rollout side, which must then hold
-        # no generation in flight (a whole-run checkpoint in one process).
-        self.checkpoint_captures_rollout: Callable[[int], bool] = lambda version: False
+        self.checkpoint = checkpoint
+        # Whether a checkpoint is due at a version: it captures the rollout side too (whole, in
+        # one process or both actors on ray), which must then hold no generation in flight.
+        self.checkpoint_due = checkpoint_due
+
+    def state(self) -> dict:
+        """What a checkpoint keeps: the time of every sync so far."""
+        return {"pause_s": list(self.pause_s), "drain_s": list(self.drain_s), "transfer_s": list(self.transfer_s)}
+
+    def restore(self, state: dict) -> None:
+        self.pause_s, self.drain_s, self.transfer_s = list(state["pause_s"]), list(state["drain_s"]), list(state["transfer_s"])
 
     async def sync(self, version: int, checkpoint: bool = True) -> None:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         mode = self.mode
         take = checkpoint and self.checkpoint is not None
-        if mode == "keep" and take and self.checkpoint_captures_rollout(version):
+        if mode == "keep" and take and self.checkpoint_due(version):
             # A checkpoint holds no generation in flight: this sync interrupts them, as partial
             # rollout does, and they resume from the checkpoint's cancel queue.
             mode = "abort"
@@ -69,7 +78,7 @@ class ParamSync:
     async def finish(self, version: int, t0: float, t1: float) -> None:
         """The rest of a sync once rollout is paused: move the weights, resume."""
         loop = asyncio.get_running_loop()
-        if getattr(self.transfer, "collective", False):
+        if isinstance(self.transfer, CollectiveTransfer):
             await self._together(version)
         else:
             weights = await self.transfer.send(version)

@@ -14,7 +14,7 @@ Ledger (``trainings`` vs ``trained``).
 
 A group lives in the ring until ``capacity`` newer ones arrive, i.e. for at most
 ``ceil(capacity / fresh_per_step)`` steps, so the staleness it can be trained at is
-bounded: ``staleness_bound`` adds those steps' versions to the queue's ``max_staleness``.
+bounded: ``core.model.run_plan.staleness_bound`` adds those steps' versions to the queue's ``max_staleness``.
 """
 
 from __future__ import annotations
@@ -32,20 +32,6 @@ from ext.replay import ReplayBuffer
 SPEC = {"prompt_id": ((), np.int64), "version": ((), np.int64)}
 # PER's epsilon: a group with no learning signal is still drawn now and then.
 MIN_PRIORITY = 1e-3
-
-
-def staleness_bound(max_staleness: int, capacity: int, fresh_per_step: int, sync_every: int) -> int:
-    """The most versions a trained group can lag behind: its age on arrival plus its life in the ring.
-
-    Fresh groups are added step by step (``get_batch`` interleaves adding and drawing even
-    when it serves a whole window), at least ``fresh_per_step`` a step. A group added at step
-    s is overwritten once ``capacity`` newer ones arrived, by step s + L, L = ceil(capacity /
-    fresh_per_step), so it is trained at step s + L - 1 at the latest: at most
-    ceil((L - 1) / sync_every) versions after it arrived, when it was at most
-    ``max_staleness`` old.
-    """
-    steps = math.ceil(capacity / fresh_per_step)
-    return max_staleness + math.ceil((steps - 1) / sync_every)
 
 
 class ReplayStage:

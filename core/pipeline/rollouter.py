@@ -15,7 +15,7 @@ import math
 from collections import deque
 from typing import Any, Awaitable, Callable, Optional
 
-from core.api import PauseMode, PromptSource, RewardFn
+from core.api import CollectiveTicket, PauseMode, PromptSource, RewardFn
 from core.model.faults import CollectiveBroken, FaultLog, RestartsExhausted, WorkerLost, worker_key
 from core.model.ledger import Ledger
 from core.model.reward_fn import reward_failed
@@ -54,6 +54,7 @@ class Rollouter:
         reward: Optional[RewardFn] = None,
         faults: Optional[FaultLog] = None,
         stop_timeout_s: Optional[float] = None,
+        catch_up: Optional[Callable[[int], Awaitable[Any]]] = None,
     ) -> None:
         self.engines = engines
         self.queue = queue
@@ -90,7 +91,7 @@ class Rollouter:
         # ``catch_up(version)``: a copy of the trainer's weights that one engine loads alone (the
         # object-store fallback of a collective transfer), or None: it rejoins at the next sync.
         # Without it a lone engine killed would wait for a sync that its batches must make happen.
-        self.catch_up: Optional[Callable[[int], Awaitable[Any]]] = None
+        self.catch_up = catch_up
         self._recovering: dict[int, asyncio.Task] = {}
         self._failure: Optional[BaseException] = None
         self._next_prompt = 0
@@ -301,7 +302,7 @@ class Rollouter:
                 # ends is not among the engines it loads, so it loads them itself.
                 v = max(self.version, self._weights_version)
                 weights = self._weights
-                if getattr(weights, "collective", False):
+                if isinstance(weights, CollectiveTicket):
                     weights = await self.catch_up(v) if self.catch_up is not None else None
                     if weights is None:
                         self._rejoining.add(i)
@@ -381,7 +382,7 @@ class Rollouter:
         if version < self.version:
             return
         self._weights, self._weights_version = weights, version
-        if getattr(weights, "collective", False):
+        if isinstance(weights, CollectiveTicket):
             await self._update_together(version, weights)
         else:
             await self._each_up("update_weights", version, weights)

@@ -35,10 +35,6 @@ class AsyncStalenessQueue:
         self._impl = impl
         self.wire: QueueWire = journal.wire if journal is not None else GROUPS
         self._q = impl(capacity, max_staleness)
-        # put_nowait(item, version) -> bool: store now; False if already too stale (not
-        # stored); QueueFull at capacity. The queue's own method: a waiting consumer is woken
-        # by the queue's watch, so nothing here runs per item.
-        self.put_nowait = self._q.put
         self._getter: Optional[asyncio.Future] = None
         self._putters: deque[asyncio.Future] = deque()
         # Durable queue (a journal): groups delivered stay here, unacknowledged, until the
@@ -50,8 +46,6 @@ class AsyncStalenessQueue:
         self._base: Counter = Counter()  # counts carried over from before a restore
         self._down: Optional[asyncio.Event] = None  # set once a dead queue is back
         self._closed = False
-        if journal is not None:
-            self.put_nowait = self._put_journaled
 
     def __len__(self) -> int:
         return len(self._q) + len(self._redeliver)
@@ -72,12 +66,15 @@ class AsyncStalenessQueue:
         c = self.counters()
         return {k: c.get(k, 0) for k in ("put", "got", "evicted", "stale_on_put", "rejected_full")}
 
-    def _put_journaled(self, item: Any, version: int) -> bool:
+    def put_nowait(self, item: Any, version: int) -> bool:
+        """Store now; False if already too stale (not stored); QueueFull at capacity. A waiting
+        consumer is woken by the queue's watch, so nothing else runs per item."""
         stored = self._q.put(item, version)
-        if stored:
-            self.journal.put(item)
-        else:
-            self.journal.op("stale", (), self.version, self._counters_full())
+        if self.journal is not None:
+            if stored:
+                self.journal.put(item)
+            else:
+                self.journal.op("stale", (), self.version, self._counters_full())
         return stored
 
     async def put(self, item: Any, version: int, timeout: Optional[float] = None) -> bool:
@@ -223,7 +220,6 @@ class AsyncStalenessQueue:
     def crash(self) -> None:
         """The queue's process dies: everything in memory is gone until ``recover``."""
         self._q = self._impl(self._q.capacity, self._q.max_staleness)
-        self.put_nowait = self._put_journaled
         self._unacked, self._redeliver, self._base = [], deque(), Counter()
         self._down = asyncio.Event()
 
@@ -256,8 +252,13 @@ class AsyncStalenessQueue:
             self._getter.set_result(None)
         return evicted
 
-    def restore(self, version: int, queued: list, counters: dict) -> None:
-        """Take a checkpoint's contents (a resumed run)."""
+    def state(self) -> dict:
+        """What a checkpoint keeps besides the queued groups (``contents``)."""
+        return {"version": self.version, "counters": self.counters()}
+
+    def restore(self, state: dict, queued: list) -> None:
+        """Take a checkpoint's ``state`` and contents (a resumed run)."""
+        version, counters = state["version"], state["counters"]
         self._q.set_version(version)
         self._q.put_many(queued, [self.wire.version(g) for g in queued])
         self._base = Counter(counters)

@@ -6,7 +6,7 @@ import asyncio
 from collections import deque
 from typing import Any, Optional
 
-from core.api import Engine
+from core.api import Engine, ReservingClock
 from core.model.faults import CallTimeout, RestartsExhausted
 
 
@@ -145,11 +145,10 @@ class SupervisedEngine:
         self.max_restarts = max_restarts
         self.restarts = 0
         self._deadlines = {s: _Deadlines(s) for s in (generate_s, control_s, restart_s)}
-        self._answers_now = getattr(engine, "answers_now", None)  # optional (core.api.Engine)
 
     def answers_now(self) -> bool:
         """The engine's control calls return without waiting: no deadline can fire."""
-        return self._answers_now is not None and self._answers_now()
+        return self.engine.answers_now()
 
     def call_now(self, call: str, *args: Any) -> Any:
         """A control call of an engine that ``answers_now``, run to its end here, with no
@@ -165,7 +164,7 @@ class SupervisedEngine:
     async def _call(self, call: str, coro, seconds: float, key: str, lazy: bool = True):
         loop = asyncio.get_running_loop()
         deadlines = self._deadlines[seconds]
-        if lazy and hasattr(loop, "reserve_timer"):
+        if lazy and isinstance(loop, ReservingClock):
             waits = _SetOnWait(coro, deadlines, loop)
             try:
                 return await waits

@@ -22,28 +22,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 import numpy as np
 
-from core.api import Batch, BatchSource, Engine, LocalEngine, PauseMode, PromptSource, RewardFn, RolloutControl, TrainBackend, WeightTransfer
-from core.model.config import Placement, Scenario, effective_staleness
+from core.api import Batch, BatchSource, CollectiveTransfer, Engine, LocalEngine, PromptSource, RewardFn, RolloutControl, TrainBackend, WeightTransfer
+from core.model.config import Placement, Scenario
 from core.model.faults import FaultLog, FaultPlan
 from core.model.ledger import Ledger
-from core.model.progress import ProgressFn
+from core.model.progress import ProgressFn, WeightsSynced
 from core.model.result import EngineCounters, RunResult, SyncCounters, TrainerCounters
 from core.model.sample import Group
 from core.model.timeline import Timeline
 from core.pipeline.param_sync import ParamSync
-from core.pipeline.replay_stage import ReplayStage, staleness_bound
+from core.model.run_plan import RunPlan
+from core.pipeline.replay_stage import ReplayStage
 from core.pipeline.rollouter import Rollouter
 from core.pipeline.staleness_queue import AsyncStalenessQueue, QueueBatches
 from core.pipeline.supervised_engine import SupervisedEngine
 from core.pipeline.trainer import Trainer
 from core.store.queue_journal import QueueJournal
 
-# What a sync does to generations in flight, per mode (sync has none in flight by then).
-PAUSE: dict[str, PauseMode] = {"sync": "wait", "async": "wait", "partial": "abort", "inflight": "keep"}
+# ParamSync's checkpoint at a due sync, rollout paused: (version, t0 the sync began, t1 rollout stopped).
+CheckpointFn = Callable[[int, float, float], Awaitable[None]]
 
 
 @dataclass
@@ -54,7 +55,7 @@ class Workers:
 
     engines: list[Engine]
     backend: Optional[TrainBackend]
-    transfer: Optional[WeightTransfer]
+    transfer: Optional[WeightTransfer | CollectiveTransfer]
     prompts: Optional[PromptSource] = None
     reward: Optional[RewardFn] = None
     # A prompt's modelled reward spread: the replay priority of a group whose samples carry no reward.
@@ -65,9 +66,7 @@ class Workers:
 class System:
     """The components of one mode, connected in one process."""
 
-    scenario: Scenario
-    mode: str
-    placement: Placement
+    plan: RunPlan
     ledger: Ledger
     timeline: Timeline
     queue: AsyncStalenessQueue
@@ -78,8 +77,20 @@ class System:
     train_backend: TrainBackend
     replay: Optional[ReplayStage] = None
     faults: FaultLog = field(default_factory=FaultLog)
-    plan: FaultPlan = field(default_factory=lambda: FaultPlan((), set()))
+    fault_plan: FaultPlan = field(default_factory=lambda: FaultPlan((), set()))
     run_dir: Optional[Path] = None  # checkpoints and the queue's journal
+
+    @property
+    def scenario(self) -> Scenario:
+        return self.plan.scenario
+
+    @property
+    def mode(self) -> str:
+        return self.plan.mode
+
+    @property
+    def placement(self) -> Placement:
+        return self.plan.placement
 
     def result(self, end_s: float, wall_s: float = 0.0, evaluations: Optional[list] = None) -> RunResult:
         """What the run leaves for its report, read off the components once it ended."""
@@ -106,20 +117,9 @@ class System:
         )
 
 
-def queue_capacity(sc: Scenario, mode: str) -> int:
-    # Admission keeps admitted-but-untrained samples under (max_staleness + 2) windows, so
-    # a queue this large never blocks a producer while the trainer waits on a sync drain.
-    max_staleness, _ = effective_staleness(sc, mode)
-    return (max_staleness + 2) * sc.window // sc.workload.group_size + sc.warm_up_groups + 1
-
-
-def trained_bound(sc: Scenario, mode: str) -> int:
-    """The staleness no trained sample exceeds: the queue's bound, plus a replay ring's."""
-    max_staleness, _ = effective_staleness(sc, mode)
-    rp = sc.replay
-    if not rp.enabled:
-        return max_staleness
-    return staleness_bound(max_staleness, rp.capacity_groups, sc.fresh_groups_per_step, sc.trainer.sync_every)
+def make_ledger(plan: RunPlan) -> Ledger:
+    """The run's ledger (or one side's, on ray), checking the plan's bound on every trained sample."""
+    return Ledger(plan.trained_bound, reuse=plan.scenario.replay.enabled)
 
 
 def durable(sc: Scenario) -> bool:
@@ -128,25 +128,23 @@ def durable(sc: Scenario) -> bool:
     return bool(sc.checkpoint.every) or any(f.kind == "kill" and f.target != "rollout_worker" for f in sc.faults)
 
 
-def make_queue(sc: Scenario, mode: str, run_dir: Optional[Path]) -> AsyncStalenessQueue:
-    max_staleness, _ = effective_staleness(sc, mode)
+def make_queue(plan: RunPlan, run_dir: Optional[Path]) -> AsyncStalenessQueue:
+    sc = plan.scenario
     keep = durable(sc)
-    journal = QueueJournal(Path(run_dir) / mode / "queue.journal") if keep and run_dir is not None else None
-    return AsyncStalenessQueue(
-        capacity=queue_capacity(sc, mode), max_staleness=max_staleness, journal=journal, durable=keep
-    )
+    journal = QueueJournal(Path(run_dir) / plan.mode / "queue.journal") if keep and run_dir is not None else None
+    return AsyncStalenessQueue(capacity=plan.queue_capacity, max_staleness=plan.max_staleness, journal=journal, durable=keep)
 
 
 def connect_rollout(
-    sc: Scenario, mode: str, workers: Workers, ledger: Ledger, queue: AsyncStalenessQueue,
-    faults: Optional[FaultLog] = None,
+    plan: RunPlan, workers: Workers, ledger: Ledger, queue: AsyncStalenessQueue, faults: Optional[FaultLog] = None,
+    catch_up: Optional[Callable[[int], Awaitable[object]]] = None,
 ) -> Rollouter:
     """The producer side: the Rollouter admitting groups to the engines (each behind its
-    timeouts) and feeding the queue."""
-    place = Placement.of(sc, mode)
+    timeouts) and feeding the queue. ``catch_up``: the Rollouter's (a copy of the weights for an
+    engine back from a restart, where weights move collectively)."""
+    sc, place = plan.scenario, plan.placement
     t, r = sc.timeouts, sc.recovery
     engines = [SupervisedEngine(e, t.generate_s, t.control_s, t.restart_s, r.max_restarts) for e in workers.engines]
-    max_staleness, lead = effective_staleness(sc, mode)
     n = sc.workload.group_size
     max_concurrency = sc.rollout.max_concurrency or max(n, place.engines * sc.rollout.max_num_seqs)
     return Rollouter(
@@ -158,33 +156,37 @@ def connect_rollout(
         max_response_len=sc.workload.max_response_len,
         max_concurrency=max_concurrency,
         window=sc.window,
-        lead=lead,
-        max_staleness=max_staleness,
+        lead=plan.lead,
+        max_staleness=plan.max_staleness,
         plan_samples=(sc.trainer.steps * sc.fresh_groups_per_step + sc.warm_up_groups) * n,
         head_start=sc.warm_up_groups * n,
         prompts=workers.prompts,
         reward=workers.reward,
         faults=faults,
         stop_timeout_s=t.control_s,
+        catch_up=catch_up,
     )
 
 
 def connect_trainer(
-    sc: Scenario,
-    mode: str,
+    plan: RunPlan,
     workers: Workers,
     ledger: Ledger,
     queue: BatchSource,
     rollouter: RolloutControl,
     timeline: Timeline,
     on_step: Optional[ProgressFn] = None,
+    on_synced: Optional[Callable[[WeightsSynced], None]] = None,
+    checkpoint: Optional[CheckpointFn] = None,
 ) -> tuple[Trainer, ParamSync, Optional[ReplayStage]]:
     """The consumer side: (replay ring,) Trainer, and the ParamSync it triggers.
 
     ``queue`` and ``rollouter`` are the objects themselves in one process, or proxies with
-    the same awaitable methods when the two sides live in different Ray actors.
+    the same awaitable methods when the two sides live in different Ray actors. ``on_step`` is
+    told each step trained, ``on_synced`` each sync; ``checkpoint`` is called at each sync that
+    ``checkpoint.every`` makes due, rollout paused.
     """
-    place = Placement.of(sc, mode)
+    sc = plan.scenario
     rp = sc.replay
     replay = None
     if rp.enabled:
@@ -213,9 +215,11 @@ def connect_trainer(
     param_sync = ParamSync(
         rollouter=rollouter,
         transfer=workers.transfer,
-        mode=PAUSE[mode],
+        mode=plan.pause,
         timeline=timeline,
-        on_synced=on_step,
+        on_synced=on_synced,
+        checkpoint=checkpoint,
+        checkpoint_due=sc.checkpoint.due,
     )
     trainer = Trainer(
         source=queue if replay is None else replay,
@@ -226,32 +230,42 @@ def connect_trainer(
         sync_every=sc.trainer.sync_every,
         steps=sc.trainer.steps,
         timeline=timeline,
-        pull_window=place.colocated,
+        pull_window=plan.placement.colocated,
         on_step=on_step,
     )
     return trainer, param_sync, replay
 
 
 def connect_components(
-    sc: Scenario,
-    mode: str,
+    plan: RunPlan,
     workers: Workers,
     timeline: Timeline,
     on_step: Optional[ProgressFn] = None,
+    on_synced: Optional[Callable[[WeightsSynced], None]] = None,
     run_dir: Optional[Path] = None,
+    checkpoint: Optional[Callable[["System", int, float, float], None]] = None,
 ) -> System:
     """Build one mode's system in one process (sim or local runtime). Must be called inside
-    the loop that will run it. ``run_dir`` holds the queue's journal."""
-    ledger = Ledger(trained_bound(sc, mode), reuse=sc.replay.enabled)
+    the loop that will run it. ``run_dir`` holds the queue's journal; ``checkpoint(system,
+    version, t0, t1)`` saves the run at each due sync."""
+    sc = plan.scenario
+    ledger = make_ledger(plan)
     faults = FaultLog()
-    queue = make_queue(sc, mode, run_dir)
-    rollouter = connect_rollout(sc, mode, workers, ledger, queue, faults)
-    trainer, param_sync, replay = connect_trainer(sc, mode, workers, ledger, QueueBatches(queue), rollouter, timeline, on_step)
-    return System(
-        sc, mode, Placement.of(sc, mode), ledger, timeline, queue, workers.engines,
-        rollouter, param_sync, trainer, workers.backend, replay,
-        faults=faults, plan=FaultPlan(sc.faults, set()), run_dir=run_dir,
+    queue = make_queue(plan, run_dir)
+    rollouter = connect_rollout(plan, workers, ledger, queue, faults)
+
+    async def saved(version: int, t0: float, t1: float) -> None:
+        checkpoint(system, version, t0, t1)  # ``system``: built below, before any sync
+
+    trainer, param_sync, replay = connect_trainer(
+        plan, workers, ledger, QueueBatches(queue), rollouter, timeline, on_step, on_synced,
+        saved if checkpoint is not None else None,
     )
+    system = System(
+        plan, ledger, timeline, queue, workers.engines, rollouter, param_sync, trainer, workers.backend, replay,
+        faults=faults, fault_plan=FaultPlan(sc.faults, set()), run_dir=run_dir,
+    )
+    return system
 
 
 async def end_rollout(rollouter: Rollouter, queue: AsyncStalenessQueue, ledger: Ledger) -> None:

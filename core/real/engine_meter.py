@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Optional, Sized
 
+from core.api import Engine
 from core.model.sample import Sample, logprob_array, token_array
 from core.model.timeline import GENERATE, Timeline
 
 
-class EngineMeter:
+class EngineMeter(Engine):
     """Base of the real engines. ``self._live`` (any sized container) holds the requests
     submitted and not yet finished or aborted; busy means it is not empty."""
 

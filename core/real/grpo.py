@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from core.model.config import LearnSpec
-from core.api import Batch
+from core.api import Batch, TrainBackend
 from core.model.sample import Sample
 from core.real.hf_model import load_model
 from core.real.rank_group import RankGroup, token_balanced_cuts
@@ -164,7 +164,7 @@ class _Batch:
         self.response_tokens = int(mask.sum())
 
 
-class TorchTrainBackend:
+class TorchTrainBackend(TrainBackend):
     """GRPO trainer step of a real model; same protocol as ``SimTrainBackend``."""
 
     def __init__(

@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator, Optional
 
+from core.api import CollectiveTicket
 from core.model.faults import CollectiveBroken
 
 log = logging.getLogger(__name__)
@@ -231,7 +232,7 @@ class Communicator:
 
 
 @dataclass(frozen=True)
-class BroadcastTicket:
+class BroadcastTicket(CollectiveTicket):
     """What ParamSync hands the rollout side for one collective sync. The rollout side fills in
     ``members`` (the engines that take part) before the engines see it."""
 
@@ -243,8 +244,6 @@ class BroadcastTicket:
     timeout_s: float
     members: tuple[str, ...] = ()
     regroup: bool = False  # a member is a new process (restarted): a new group for all
-
-    collective = True  # the Rollouter's cue: every receiver must be named before it starts
 
     def addressed(self, members: list[str], regroup: bool) -> "BroadcastTicket":
         return replace(self, members=tuple(members), regroup=regroup)

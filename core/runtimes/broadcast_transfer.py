@@ -4,7 +4,7 @@ ObjectStoreTransfer. The trainer is rank 0 of a group with every engine
 the trainer's float32 weights are cast bucket by bucket into the engines' dtype.
 
 A broadcast needs its receivers at the same time as its sender, so ParamSync gives the rollout
-side a ticket and runs ``send`` while the engines receive (``collective``).
+side a ticket and runs ``send`` while the engines receive (``core.api.CollectiveTransfer``).
 """
 
 from __future__ import annotations
@@ -13,13 +13,12 @@ import asyncio
 import threading
 from typing import Any, Callable, Optional
 
+from core.api import CollectiveTransfer
 from core.real.weight_broadcast import BroadcastSource, BroadcastTicket, SendStats, manifest_of
 
 
-class BroadcastTransfer:
-    """ParamSync's WeightTransfer by broadcast from the trainer's process."""
-
-    collective = True
+class BroadcastTransfer(CollectiveTransfer):
+    """ParamSync's collective transfer by broadcast from the trainer's process."""
 
     def __init__(self, backend: Any, host: str, *, bucket_bytes: int, dtype: str, device: str = "cpu",
                  timeout_s: float = 60.0, put: Optional[Callable[[Any], Any]] = None, publish_every: int = 0) -> None:

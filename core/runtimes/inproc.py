@@ -1,18 +1,23 @@
-"""Running one connected system in this process (the sim and local runtimes): ``drive``
-starts the Rollouter and the supervised Trainer, fires the scenario's faults, checkpoints
-at syncs, and ends the run so that every sample is accounted for."""
+"""Running one connected system in this process (the sim and local runtimes):
+``connect_inproc`` builds it with this runtime's hooks (faults after steps, a planned stop,
+checkpoints at syncs), ``drive`` starts the Rollouter and the supervised Trainer, fires the
+scenario's faults, and ends the run so that every sample is accounted for."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from core.api import RunStopped
 from core.model.faults import WorkerLost, worker_key
-from core.model.progress import StepTrained
-from core.pipeline.wiring import System, end_rollout, release_unused
-from core.runtimes.run_checkpoint import due, restore_trainer, save_run
+from core.model.progress import ProgressFn, StepTrained
+from core.model.run_plan import RunPlan
+from core.model.timeline import Timeline
+from core.pipeline.wiring import System, Workers, connect_components, end_rollout, release_unused
+from core.runtimes.run_checkpoint import restore_trainer, save_run
 from core.runtimes.supervision import FaultInjector, TrainerDied, strike, supervise_trainer
 
 SyncPoint = tuple[int, float, float]  # (version, t0, t1) of a sync a checkpoint was taken in
@@ -71,7 +76,7 @@ class InProcTargets:
         end (their timers are not in the checkpoint; the engines' slowdown is)."""
         system = self.system
         now = asyncio.get_running_loop().time()
-        fired = [system.plan.faults[i] for i in sorted(system.plan.fired)]
+        fired = [system.fault_plan.faults[i] for i in sorted(system.fault_plan.fired)]
         ends = set()
         for rec in system.faults.records:
             if rec.kind == "slow" and rec.recovered_s is None:
@@ -82,23 +87,48 @@ class InProcTargets:
             self.end_slowdown(f.worker, at)
 
 
-async def drive(system: System, resume: Optional[SyncPoint] = None, stop_at_step: Optional[int] = None) -> float:
+@dataclass
+class InProcRun:
+    """One connected system with what this runtime drives it by."""
+
+    system: System
+    targets: InProcTargets
+    injector: FaultInjector
+
+
+def connect_inproc(
+    plan: RunPlan, workers: Workers, timeline: Timeline, on_step: Optional[ProgressFn] = None,
+    run_dir: Optional[Path] = None, stop_at_step: Optional[int] = None,
+) -> InProcRun:
+    """The system of one mode in this process, its hooks given as it is built: after each
+    step the faults due fire and a planned stop stops the run (``stop_at_step``); at each due
+    sync the whole run is checkpointed into ``run_dir``."""
+    checkpoints = run_dir is not None and bool(plan.scenario.checkpoint.every)
+
+    def stepped(event: StepTrained) -> None:
+        if on_step is not None:
+            on_step(event)
+        injector.on_step(event.step)  # ``injector``: made below, before any step
+        if stop_at_step is not None and event.step >= stop_at_step:
+            raise RunStopped(f"stopped after step {event.step}")
+
+    system = connect_components(
+        plan, workers, timeline, on_step=stepped, on_synced=on_step, run_dir=run_dir,
+        checkpoint=save_run if checkpoints else None,
+    )
+    targets = InProcTargets(system)
+    injector = FaultInjector(system.fault_plan, lambda i, f: strike(f, targets, system.faults, asyncio.get_running_loop().time()))
+    return InProcRun(system, targets, injector)
+
+
+async def drive(run: InProcRun, resume: Optional[SyncPoint] = None) -> float:
     """Run until the trainer has done its steps; blocks on nothing but the component tasks.
     ``resume``: the sync a restored checkpoint was taken in, finished first. Returns when
     the run ended, on the loop's clock."""
     loop = asyncio.get_running_loop()
-    targets = InProcTargets(system)
-    injector = FaultInjector(system.plan, lambda i, f: strike(f, targets, system.faults, loop.time()))
-    _watch_steps(system, injector, stop_at_step)
-    checkpoints = system.run_dir is not None and bool(system.scenario.checkpoint.every)
-    if checkpoints:
-        async def checkpoint(version: int, t0: float, t1: float) -> None:
-            save_run(system, version, t0, t1)
-
-        system.param_sync.checkpoint = checkpoint
-        system.param_sync.checkpoint_captures_rollout = lambda version: due(system.scenario, version)
-        if resume is None and system.trainer.step == 0:
-            save_run(system, 0, 0.0, 0.0, at_start=True)
+    system, targets, injector = run.system, run.targets, run.injector
+    if system.param_sync.checkpoint is not None and resume is None and system.trainer.step == 0:
+        save_run(system, 0, 0.0, 0.0, at_start=True)
     injector.arm()
     targets.resume_slowdowns()
     rollout = asyncio.create_task(system.rollouter.run(), name="rollouter")
@@ -134,20 +164,6 @@ async def drive(system: System, resume: Optional[SyncPoint] = None, stop_at_step
     if system.queue.journal is not None:
         system.queue.journal.close()
     return end_s
-
-
-def _watch_steps(system: System, injector: FaultInjector, stop_at_step: Optional[int]) -> None:
-    """Faults due after a step fire from the trainer's step callback; so does a planned stop."""
-    user = system.trainer.on_step
-
-    def on_step(event: StepTrained) -> None:
-        if user is not None:
-            user(event)
-        injector.on_step(event.step)
-        if stop_at_step is not None and event.step >= stop_at_step:
-            raise RunStopped(f"stopped after step {event.step}")
-
-    system.trainer.on_step = on_step
 
 
 async def _supervised_trainer(system: System, targets: InProcTargets, resume: Optional[SyncPoint]) -> None:

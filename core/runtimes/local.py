@@ -10,26 +10,26 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from core.model.config import Placement, Scenario
 from core.model.result import RunResult
+from core.model.run_plan import RunPlan
 from core.model.timeline import Timeline
-from core.pipeline.wiring import ProgressFn, Workers, connect_components
+from core.pipeline.wiring import ProgressFn, Workers
 from core.real.evaluation import Evaluations
 from core.real.reward import TaskPrompts, TaskReward, make_task
 from core.real.hf_model import ensure_model_dir
 from core.real.workers import LocalWeightTransfer, apply_env, make_backend, make_engine
-from core.runtimes.inproc import drive
+from core.runtimes.inproc import connect_inproc, drive
 from core.runtimes.run_checkpoint import restore_latest
 from core.sim.workload import Workload
 
 ProcessesFn = Callable[[list[tuple[str, int]]], None]
 
 
-def local_workers(sc: Scenario, mode: str, timeline: Timeline) -> Workers:
+def local_workers(plan: RunPlan, timeline: Timeline) -> Workers:
     """Engines, trainer and reward in this process, each with the threads its devices give."""
+    sc, place = plan.scenario, plan.placement
     apply_env()
     ensure_model_dir(sc)  # the tiny model is built on first use
-    place = Placement.of(sc, mode)
     engines = [
         make_engine(sc, f"engine{i:03d}", place.gpus_per_engine, timeline, seed=sc.seed * 1000 + i)
         for i in range(place.engines)
@@ -63,8 +63,7 @@ class RealClockLoop(asyncio.SelectorEventLoop):
 
 
 def run_local(
-    sc: Scenario,
-    mode: str,
+    plan: RunPlan,
     on_step: Optional[ProgressFn] = None,
     on_processes: Optional[ProcessesFn] = None,
     run_dir: Optional[Path] = None,
@@ -77,21 +76,21 @@ def run_local(
     async def main() -> RunResult:
         loop = asyncio.get_running_loop()
         timeline = Timeline()
-        workers = local_workers(sc, mode, timeline)
+        workers = local_workers(plan, timeline)
         await asyncio.gather(*(e.start() for e in workers.engines))
         if on_processes is not None:
             on_processes([("driver", os.getpid())])
-        system = connect_components(sc, mode, workers, timeline, on_step, run_dir=run_dir)
-        evals = Evaluations(sc)
+        run = connect_inproc(plan, workers, timeline, on_step, run_dir, stop_at_step)
+        evals = Evaluations(plan.scenario)
         loop.zero()
-        point = restore_latest(system) if resume else None
+        point = restore_latest(run.system) if resume else None
         watch = loop.create_task(_watch_versions(workers.transfer, evals))
         try:
-            end_s = await drive(system, point, stop_at_step)
+            end_s = await drive(run, point)
         finally:
             watch.cancel()
         await evals.finish_local()
-        return system.result(end_s, evaluations=evals.results)
+        return run.system.result(end_s, evaluations=evals.results)
 
     loop = RealClockLoop()
     t0 = time.perf_counter()

@@ -29,8 +29,8 @@ from core.api import TrainBackend
 from core.model.config import Placement, Scenario, shown
 from core.model.faults import FaultLog, FaultRecord
 from core.model.ledger import Ledger
-from core.pipeline.trainer import Trainer
 from core.pipeline.wiring import System
+from core.runtimes.run_state import RolloutSide, TrainerSide
 from core.store.checkpoint import STATE_FILE, CheckpointError, Snapshot, latest, load, load_tensors, save
 
 log = logging.getLogger(__name__)
@@ -47,38 +47,38 @@ def checkpoint_dir(run_dir: Path, mode: str) -> Path:
     return Path(run_dir) / mode / "checkpoints"
 
 
-def due(sc: Scenario, version: int) -> bool:
-    every = sc.checkpoint.every
-    return bool(every) and version % every == 0
+def header(sc: Scenario, mode: str, sync: Optional[dict], side: Optional[str] = None) -> dict:
+    """What every checkpoint file says of itself: its format, the run it was taken of, the
+    sync it was taken in (None: at the start), and ``side`` (a ray run's trainer or rollout)."""
+    head = {"format": FORMAT, "scenario": scenario_digest(sc), "scenario_name": sc.name, "mode": mode, "sync": sync}
+    if side is not None:
+        head["side"] = side
+    return head
+
+
+def trainer_side(system: System) -> TrainerSide:
+    return TrainerSide(system.trainer, system.param_sync, system.train_backend, system.ledger, system.timeline)
+
+
+def rollout_side(system: System) -> RolloutSide:
+    return RolloutSide(system.rollouter, system.queue, system.ledger)
 
 
 def capture(system: System, version: int, t0: float, t1: float, at_start: bool = False) -> Snapshot:
     """The run's state inside the sync to ``version``, after the pause (t0: the sync began,
-    t1: rollout stopped), or ``at_start``, before anything ran."""
-    sc, tr, ro, q = system.scenario, system.trainer, system.rollouter, system.queue
-    ps = system.param_sync
+    t1: rollout stopped), or ``at_start``, before anything ran: both sides of the one system."""
+    trained, holding = trainer_side(system).state()
+    rollout = rollout_side(system)
     state = {
-        "format": FORMAT,
-        "scenario": scenario_digest(sc),
-        "scenario_name": sc.name,
-        "mode": system.mode,
-        "clock": asyncio.get_running_loop().time(),
-        "sync": None if at_start else {"version": version, "t0": t0, "t1": t1},
-        "trainer": tr.state(),
-        "param_sync": {"pause_s": ps.pause_s, "drain_s": ps.drain_s, "transfer_s": ps.transfer_s},
-        "ledger": system.ledger.state(),
-        "timeline": {w: rows for w, rows in system.timeline.spans.items()},
-        "rollouter": ro.state(),
-        "queue": {"version": q.version, "counters": q.counters()},
+        **header(system.scenario, system.mode, None if at_start else {"version": version, "t0": t0, "t1": t1}),
+        **trained,
+        **rollout.state(asyncio.get_running_loop().time()),
         "engines": [e.state() for e in system.engines],
-        "backend": {"compute_s": system.train_backend.compute_s, "flops": system.train_backend.flops},
-        "faults": {"fired": sorted(system.plan.fired), "records": system.faults.state()},
+        "faults": {"fired": sorted(system.fault_plan.fired), "records": system.faults.state()},
     }
     snap = Snapshot(state=state)
-    snap.groups["queued"] = q.contents()
-    snap.groups["interrupted"] = list(ro.cancel_queue)
-    snap.groups["retry"] = list(ro.retry_queue)
-    snap.groups["holding"] = list(tr.holding.groups)
+    snap.groups.update(rollout.groups())
+    snap.groups.update(holding)
     return snap
 
 
@@ -87,7 +87,7 @@ def save_run(system: System, version: int, t0: float, t1: float, at_start: bool 
     forgets what the trainer has trained (acknowledged). ``at_start``: the checkpoint a
     trainer killed before its first sync goes back to."""
     sc = system.scenario
-    if system.run_dir is None or not (at_start or due(sc, version)):
+    if system.run_dir is None or not (at_start or sc.checkpoint.due(version)):
         return None
     ro = system.rollouter
     if ro.recovering() or system.queue.is_down():
@@ -246,28 +246,16 @@ def _restore(system: System, path: Path, snap: Snapshot) -> Optional[tuple[int, 
     st = snap.state
     loop = asyncio.get_running_loop()
     loop.set_time(st["clock"])  # the virtual clock and the local runtime's real one both go on from it
-    tr, ro, ps = system.trainer, system.rollouter, system.param_sync
-    tr.restore(st["trainer"], snap.groups["holding"])
-    p = st["param_sync"]
-    ps.pause_s, ps.drain_s, ps.transfer_s = p["pause_s"], p["drain_s"], p["transfer_s"]
-    system.ledger.restore(st["ledger"])
-    system.timeline.spans.clear()
-    for w, rows in st["timeline"].items():
-        system.timeline.spans[w] = rows
-    r = st["rollouter"]
+    trainer_side(system).restore(st, snap.groups, ledger_fields=Ledger.TRAINED_FIELDS)
     # Restored inside a sync: the sync's end resumes it.
-    ro.restore(r, snap.groups["interrupted"], snap.groups["retry"], paused=st["sync"] is not None)
+    rollout_side(system).restore(st, snap.groups, paused=st["sync"] is not None)
     if len(system.engines) != len(st["engines"]):
         raise ValueError(f"{len(st['engines'])} engine states for {len(system.engines)} engines")
     for e, es in zip(system.engines, st["engines"]):
         e.restore(es)
-    q = st["queue"]
-    system.queue.restore(q["version"], snap.groups["queued"], q["counters"])
-    be = system.train_backend
-    be.compute_s, be.flops = st["backend"]["compute_s"], st["backend"]["flops"]
-    _load_backend(be, path)
+    load_backend(system.train_backend, path)
     f = st["faults"]
-    system.plan.fired.update(f["fired"])
+    system.fault_plan.fired.update(f["fired"])
     system.faults.records[:] = FaultLog.from_state(f["records"]).records
     s = st["sync"]
     return None if s is None else (s["version"], s["t0"], s["t1"])
@@ -276,61 +264,40 @@ def _restore(system: System, path: Path, snap: Snapshot) -> Optional[tuple[int, 
 def restore_trainer(system: System) -> None:
     """A restarted trainer takes its own side of the latest checkpoint back; the queue gives
     it again whatever it had been given since."""
-    restore_trainer_side(system.trainer, system.ledger, system.train_backend, system.run_dir, system.mode)
+    restart_trainer_side(trainer_side(system), system.run_dir, system.mode)
     system.queue.redeliver()
 
 
-def restore_trainer_side(
-    trainer: Trainer, ledger: Ledger, backend: TrainBackend, run_dir: Path, mode: str, zero: float = 0.0,
-) -> None:
-    """Step, version and the learning curve, the ledger's trained counts, weights and
-    optimizer, from the latest checkpoint of ``mode`` (whole-run or trainer-side). ``zero``:
-    this clock's reading at run time 0 (a ray actor's; the checkpoint's times are run times)."""
+def restart_trainer_side(side: TrainerSide, run_dir: Path, mode: str, zero: float = 0.0) -> None:
+    """A restarted trainer: step, version and the learning curve, the ledger's trained counts,
+    weights and optimizer, from the latest checkpoint of ``mode`` (whole-run or trainer-side).
+    ``zero``: this clock's reading at run time 0 (a ray actor's; checkpoints hold run times)."""
     found = latest(checkpoint_dir(run_dir, mode))
     if found is None:
         raise RuntimeError("the trainer died before its first checkpoint; fix: checkpoint.every: 1")
-    st = load(found).state
-    trainer.restore(trainer_state_at(st["trainer"], zero), [], wait_s=False)
-    ledger.restore(st["ledger"], fields=ledger.TRAINED_FIELDS)
-    ledger.shift_times(zero)
-    _load_backend(backend, found)
+    side.restart(load(found).state, zero)
+    load_backend(side.backend, found)
 
 
-def trainer_state_at(state: dict, dt: float) -> dict:
-    """The trainer's state with its step times moved by ``dt``."""
-    return {**state, "step_info": [{**info, "end_s": info["end_s"] + dt} for info in state["step_info"]]}
-
-
-def _load_backend(backend: TrainBackend, path: Path) -> None:
+def load_backend(backend: TrainBackend, path: Path) -> None:
     """The backend's tensors (a real one's weights and optimizer; the sim's has none)."""
     backend.load({stem: load_tensors(path, stem) for stem in backend.tensor_files})
 
 
 def save_trainer_side(
-    sc: Scenario, mode: str, run_dir: Path, trainer: Trainer, ledger: Ledger, backend: TrainBackend, version: int,
-    at_start: bool = False, zero: float = 0.0, extra: Optional[dict] = None,
+    sc: Scenario, mode: str, run_dir: Path, side: TrainerSide, version: int, at_start: bool = False, zero: float = 0.0,
 ) -> Optional[Path]:
     """The trainer's side alone (the ray runtime, where the rollout side lives in another
     process and adds its own side after: core/runtimes/ray_checkpoint.py, which prunes old
     checkpoints once the new one is whole). Times are stored as run times: ``zero`` is this
-    clock's reading at run time 0. ``extra``: more state, read only by a resume."""
-    if not (at_start or due(sc, version)):
+    clock's reading at run time 0."""
+    if not (at_start or sc.checkpoint.due(version)):
         return None
-    state = {
-        "format": FORMAT,
-        "side": "trainer",
-        "scenario": scenario_digest(sc),
-        "scenario_name": sc.name,
-        "mode": mode,
-        "sync": None if at_start else {"version": version},
-        "trainer": trainer_state_at(trainer.state(), -zero),
-        "ledger": ledger.state(shift_s=-zero),
-        **(extra or {}),
-    }
-    snap = Snapshot(state=state)
-    snap.groups["holding"] = list(trainer.holding.groups)
-    tensors = backend.state_dict() or None
-    return save(checkpoint_dir(run_dir, mode), trainer.step, snap, tensors, keep=None)
+    state, groups = side.state(zero)
+    snap = Snapshot(state={**header(sc, mode, None if at_start else {"version": version}, side="trainer"), **state})
+    snap.groups.update(groups)
+    tensors = side.backend.state_dict() or None
+    return save(checkpoint_dir(run_dir, mode), side.trainer.step, snap, tensors, keep=None)
 
 
 def restore_latest(system: System) -> Optional[tuple[int, float, float]]:

@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from core.model.config import Placement, Scenario
 from core.model.result import RunResult
+from core.model.run_plan import RunPlan
 from core.model.timeline import Timeline
-from core.pipeline.wiring import ProgressFn, System, Workers, connect_components
-from core.runtimes.inproc import drive
+from core.pipeline.wiring import ProgressFn, Workers
+from core.runtimes.inproc import InProcRun, connect_inproc, drive
 from core.runtimes.run_checkpoint import restore_latest
 from core.sim import virtual_clock
 from core.sim.backend import SimTrainBackend, SimWeightTransfer
@@ -22,31 +22,30 @@ from core.sim.engine import SimEngine
 from core.sim.workload import Workload
 
 
-def sim_workers(sc: Scenario, mode: str, timeline: Timeline) -> Workers:
+def sim_workers(plan: RunPlan, timeline: Timeline) -> Workers:
     """The sim runtime's workers: engines and trainer on modelled costs."""
-    place = Placement.of(sc, mode)
+    sc, mode, place = plan.scenario, plan.mode, plan.placement
     workload = Workload(sc.workload, sc.seed)
     decode = DecodeCost(sc, place.gpus_per_engine, colocated=place.colocated)
     engines = [
-        SimEngine(f"engine{i:03d}", decode, workload, sc.rollout.max_num_seqs, timeline)
+        SimEngine(f"engine{i:03d}", decode, workload, sc.rollout.max_num_seqs, timeline, sc.recovery.engine_restart_s)
         for i in range(place.engines)
     ]
-    for e in engines:
-        e.restart_s = sc.recovery.engine_restart_s
     backend = SimTrainBackend(TrainCost(sc, place.trainer_gpus, mode in sc.trainer.recompute_logprobs, colocated=place.colocated))
     transfer = SimWeightTransfer(TransferCost(sc, colocated=place.colocated))
     return Workers(engines, backend, transfer, spread=Workload(sc.workload, sc.seed).reward_spread)
 
 
-def connect_sim(sc: Scenario, mode: str, on_step: Optional[ProgressFn] = None, run_dir: Optional[Path] = None) -> System:
+def connect_sim(
+    plan: RunPlan, on_step: Optional[ProgressFn] = None, run_dir: Optional[Path] = None, stop_at_step: Optional[int] = None,
+) -> InProcRun:
     """One mode's system on simulated workers; call it inside the virtual clock's loop."""
     timeline = Timeline()
-    return connect_components(sc, mode, sim_workers(sc, mode, timeline), timeline, on_step, run_dir=run_dir)
+    return connect_inproc(plan, sim_workers(plan, timeline), timeline, on_step, run_dir, stop_at_step)
 
 
 def run_sim(
-    sc: Scenario,
-    mode: str,
+    plan: RunPlan,
     on_step: Optional[ProgressFn] = None,
     run_dir: Optional[Path] = None,
     resume: bool = False,
@@ -58,9 +57,9 @@ def run_sim(
         where = Path(run_dir) if run_dir is not None else Path(tmp)
 
         async def main() -> RunResult:
-            system = connect_sim(sc, mode, on_step, run_dir=where)
-            end_s = await drive(system, restore_latest(system) if resume else None, stop_at_step)
-            return system.result(end_s)
+            run = connect_sim(plan, on_step, where, stop_at_step)
+            end_s = await drive(run, restore_latest(run.system) if resume else None)
+            return run.system.result(end_s)
 
         t0 = time.perf_counter()
         # A run allocates a few objects per simulated sample, nearly all freed at once by their

@@ -1,7 +1,7 @@
 """The ray runtime's data-parallel trainer (``ray.trainer_ranks`` > 1): rank 0 is the
-``TrainerHost`` (core/runtimes/ray.py), which drives the Trainer, ParamSync and checkpoints and
-is the weight-sync source; ranks 1..N-1 are ``TrainerRankHost`` actors that hold a backend and
-do what rank 0 asks, in the same torch process group (core/real/rank_group.py).
+``TrainerHost`` (core/runtimes/ray_trainer_host.py), which drives the Trainer, ParamSync and
+checkpoints and is the weight-sync source; ranks 1..N-1 are ``TrainerRankHost`` actors that
+hold a backend and do what rank 0 asks, in the same torch process group (core/real/rank_group.py).
 
     TrainerHost ── RankedBackend.train_step(batch) ──► shards per rank (whole groups)
         │ learn_part(own shards)   ◄── all-reduce (gloo / NCCL) ──►  TrainerRankHost.learn(shards) × N-1
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 import time
 from typing import Any
@@ -24,18 +23,13 @@ from typing import Any
 from core.api import Batch
 from core.model.config import Scenario
 from core.real.workers import make_backend
-from core.runtimes.ray_cluster import node_id, node_scenario
+from core.runtimes.ray_actor import ActorIdentity, ray_module
+from core.runtimes.ray_cluster import node_scenario
 
 log = logging.getLogger(__name__)
 
 
-def _ray():
-    import ray  # imported on use: a sim run never pays for importing Ray
-
-    return ray
-
-
-class TrainerRankHost:
+class TrainerRankHost(ActorIdentity):
     """Trainer rank ``rank`` >= 1: a backend taking part in the collectives rank 0 starts."""
 
     def __init__(self, sc: Scenario, rank: int, threads: int, shipped: tuple = ()) -> None:
@@ -63,15 +57,6 @@ class TrainerRankHost:
         """Sharded: take part in rank 0's checkpoint."""
         await asyncio.to_thread(self.backend.state_dict)
 
-    def now(self) -> float:
-        return time.monotonic()
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def node(self) -> str:
-        return node_id()
-
 
 class RankedBackend:
     """Rank 0's backend as the Trainer and ParamSync see it: the train-backend protocol, each
@@ -87,7 +72,7 @@ class RankedBackend:
 
     async def form_group(self, timeout_s: float) -> None:
         """A new process group of all the ranks, rank 0 serving it on a free port of its node."""
-        ray = _ray()
+        ray = ray_module()
         address = f"{ray.util.get_node_ip_address()}:{_free_port()}"
         joined = [p.join.remote(address, self.size) for p in self.peers]
         await asyncio.to_thread(self.backend.join_group, address, 0, self.size, timeout_s)
@@ -119,7 +104,7 @@ class RankedBackend:
     def _with_peers(self, call: str, own):
         refs = [getattr(p, call).remote() for p in self.peers]
         out = own()
-        _ray().get(refs)
+        ray_module().get(refs)
         return out
 
 

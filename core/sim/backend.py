@@ -6,11 +6,11 @@ import asyncio
 
 import numpy as np
 
-from core.api import Batch
+from core.api import Batch, TrainBackend
 from core.sim.costs import TrainCost, TransferCost
 
 
-class SimTrainBackend:
+class SimTrainBackend(TrainBackend):
     """Waits out the modelled time of a step. Its cost depends on tokens alone, so a
     batch's importance weights change nothing here; nothing to checkpoint but counters."""
 

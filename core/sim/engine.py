@@ -24,6 +24,7 @@ import weakref
 from collections import deque
 from typing import Optional
 
+from core.api import Engine
 from core.sim.costs import DecodeCost
 from core.model.faults import WorkerLost
 from core.model.sample import Group, Sample
@@ -89,7 +90,7 @@ class _Request:
         self.preempted = False  # its KV was freed: readmitting it prefills its context again
 
 
-class SimEngine:
+class SimEngine(Engine):
     """One rollout engine (a tensor-parallel replica) on the virtual clock.
 
     Implements the engine protocol: ``generate``, ``abort_all``, ``update_weights``,
@@ -103,6 +104,7 @@ class SimEngine:
         workload: Workload,
         max_num_seqs: int,
         timeline: Optional[Timeline] = None,
+        restart_s: float = 0.0,
     ) -> None:
         self.name = name
         self.cost = cost
@@ -136,7 +138,7 @@ class SimEngine:
         self.slowdown = 1.0
         self.hang_next: Optional[str] = None
         self.down_until: Optional[float] = None
-        self.restart_s = 0.0  # how long a crashed worker takes to come back
+        self.restart_s = restart_s  # how long a crashed worker takes to come back
         self._hung: list[asyncio.Future] = []
         self._frozen_at: Optional[float] = None  # frozen between decode steps since (inflight sync)
 

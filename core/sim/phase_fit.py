@@ -164,11 +164,7 @@ def fit_phases(table: dict) -> tuple[dict[str, object], list[str]]:
                      f"{sep_comm:.2f} s of the separated update on {setup['trainer_gpus']} GPUs, "
                      f"{steps * train_c.comm_s:.2f} s of the colocated update and log-prob on {g}")
     mean_t = tokens / samples
-    if median <= 1.0 or median >= sc.workload.max_response_len:
-        lines.append(f"NO FIT: no response median gives the separated update's {sep['update_actor_s']:.2f} s "
-                     f"at trainer.mfu {sc.trainer.mfu}: the assumed MFU or prompt length cannot be right")
-    if overhead <= 0.0 or overhead >= MAX_DECODE_OVERHEAD_S:
-        lines.append(f"NO FIT: no decode step overhead in [0, {MAX_DECODE_OVERHEAD_S}] s gives the colocated generation's {colo['gen_s']:.2f} s")
+    lines.extend(_no_fit(sc, median, overhead, colo, sep))
     lines.append(
         f"workload.response_median {changes['workload.response_median']} (sigma {sc.workload.response_sigma} assumed; "
         f"mean {mean_t - sc.workload.prompt_tokens:,.0f} response tokens): from the separated update's {sep['update_actor_s']:.2f} s"
@@ -188,11 +184,28 @@ def fit_phases(table: dict) -> tuple[dict[str, object], list[str]]:
         f"sync.colocated_switch_s {switch:.2f} s: {other:.2f} s outside the phases less the transfer "
         f"(the switch from bytes would be {TransferCost(with_changes(colo_sc, {'sync.colocated_switch_s': None}), colocated=True).switch_s:.2f} s)"
     )
-    model = phase_times(fitted, setup, samples)
-    for key, published in (("colocated.gen_s", colo["gen_s"]), ("colocated.old_log_prob_s", colo["old_log_prob_s"]),
-                           ("colocated.update_actor_s", colo["update_actor_s"]), ("separated.update_actor_s", sep["update_actor_s"])):
-        lines.append(f"{key}: model {model[key]:.2f} s, published {published:.2f} s ({100 * (model[key] / published - 1):+.1f} %)")
+    lines.extend(_reproduced(phase_times(fitted, setup, samples), colo, sep))
     return changes, lines
+
+
+def _no_fit(sc: Scenario, median: float, overhead: float, colo: dict, sep: dict) -> list[str]:
+    """What the searches could not fit: each a line that says which assumption cannot be right."""
+    lines = []
+    if median <= 1.0 or median >= sc.workload.max_response_len:
+        lines.append(f"NO FIT: no response median gives the separated update's {sep['update_actor_s']:.2f} s "
+                     f"at trainer.mfu {sc.trainer.mfu}: the assumed MFU or prompt length cannot be right")
+    if overhead <= 0.0 or overhead >= MAX_DECODE_OVERHEAD_S:
+        lines.append(f"NO FIT: no decode step overhead in [0, {MAX_DECODE_OVERHEAD_S}] s gives the colocated generation's {colo['gen_s']:.2f} s")
+    return lines
+
+
+def _reproduced(model: dict, colo: dict, sep: dict) -> list[str]:
+    """How well the fitted costs give back each published phase time."""
+    return [
+        f"{key}: model {model[key]:.2f} s, published {published:.2f} s ({100 * (model[key] / published - 1):+.1f} %)"
+        for key, published in (("colocated.gen_s", colo["gen_s"]), ("colocated.old_log_prob_s", colo["old_log_prob_s"]),
+                               ("colocated.update_actor_s", colo["update_actor_s"]), ("separated.update_actor_s", sep["update_actor_s"]))
+    ]
 
 
 def phase_times_trainer(sc: Scenario, setup: dict, samples: int) -> float:

@@ -15,6 +15,8 @@ from asyncio import events
 from asyncio.base_events import MAXIMUM_SELECT_TIMEOUT
 from typing import Any, Callable, Coroutine, Mapping, TypeVar
 
+from core.api import ReservingClock
+
 T = TypeVar("T")
 
 
@@ -92,7 +94,7 @@ class LightTimer:
             )
 
 
-class VirtualClockLoop(asyncio.SelectorEventLoop):
+class VirtualClockLoop(asyncio.SelectorEventLoop, ReservingClock):
     """A SelectorEventLoop on virtual time, starting at t = 0.
 
     Its timers sit in one heap of ``(when, seq, timer)`` tuples, compared in C and, on equal
