@@ -125,7 +125,7 @@ def run(args) -> dict:
     from harness.scenario import load
     from core.real.workers import apply_env
     from core.runtimes.dispatch import run_mode
-    from core.runtimes.ray import cluster
+    from core.runtimes.ray_start import cluster
 
     apply_env()
     sc = load("scenarios/real-cpu-vllm.yaml")

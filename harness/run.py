@@ -37,7 +37,7 @@ from core.runtimes.dispatch import run_mode
 from core.api import RunStopped
 from core.model.faults import RestartsExhausted
 from core.model.user_code import UserCodeError
-from core.runtimes.ray import cluster
+from core.runtimes.ray_start import cluster
 from core.runtimes.ray_checkpoint import load_ray_run
 from core.runtimes.run_checkpoint import load_run, scenario_digest
 from core.store.checkpoint import CheckpointError

@@ -1,7 +1,7 @@
 """The real workers: engines, the torch trainer, and how weights move between them in one process.
 
 The local runtime (core/runtimes/local.py) builds them in its process; the ray runtime
-(core/runtimes/ray.py) builds the same classes inside actors. Which device a role uses, and how many threads, follow from
+(core/runtimes/ray_engine_host.py, ray_trainer_host.py) builds the same classes inside actors. Which device a role uses, and how many threads, follow from
 the placement: on a machine without a GPU a device is one CPU core.
 """
 

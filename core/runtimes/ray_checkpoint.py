@@ -121,19 +121,3 @@ def load_ray_run(run_dir: Path, sc: Scenario, mode: str) -> Optional[RayResume]:
 
 def load_rollout_side(path: Path) -> Snapshot:
     return decode(read_file(Path(path) / ROLLOUT_FILE), str(Path(path) / ROLLOUT_FILE))
-
-
-def shifted_records(rows: list[dict], dt: float) -> list[dict]:
-    """Fault records with their times moved by ``dt``."""
-    out = []
-    for r in rows:
-        r = dict(r)
-        r["at_s"] += dt
-        if r.get("recovered_s") is not None:
-            r["recovered_s"] += dt
-        out.append(r)
-    return out
-
-
-def shifted_spans(spans: dict, dt: float) -> dict:
-    return {w: [[k, a + dt, b + dt] for k, a, b in rows] for w, rows in spans.items()}
