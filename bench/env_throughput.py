@@ -579,7 +579,7 @@ def main() -> None:
 
     import ray
 
-    from core.runtimes.ray import cluster
+    from core.runtimes.ray_start import cluster
 
     console = Console(width=220)
     args.out.mkdir(parents=True, exist_ok=True)

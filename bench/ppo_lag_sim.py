@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from core.env.segment_queue import batch_columns  # noqa: E402
-from core.env.sync_loop import greedy_return  # noqa: E402
+from core.env.evaluation import greedy_return  # noqa: E402
 from core.env.wiring import make_learner, make_policy, make_sampler  # noqa: E402
 from harness.scenario import load  # noqa: E402
 

@@ -6,7 +6,7 @@ the codec, gymnasium, Ray and asyncio), in sync and in async mode, on both backe
     python bench/profile_env_learner.py [--env-steps N] [--rate HZ] [--native] [--out DIR]
                                         [--modes sync async] [--backends ext ref]
 
-- **sync** (``core/env/sync_loop.py``'s ``run_sync``: sampler, replay and learner take turns in
+- **sync** (``core/runtimes/local_env.py``'s ``run_sync``: sampler, replay and learner take turns in
   one thread): ``py-spy record --format raw`` runs a child Python that runs the loop.
 - **async** (``run_async`` on a 2-CPU Ray instance, started in a child Python): the parent
   finds the child's ``ray::LearnerHost``, ``ray::TransitionReplay`` and ``ray::SamplerHost``
@@ -155,7 +155,7 @@ def categorize(frames: list[str]) -> str:
     files = [p[1] for p in parsed]
     funcs = [p[0] for p in parsed]
     if any(fn in ("_find_and_load", "_call_with_frames_removed") for fn in funcs) or any(
-            fn in ("__init__",) and _is(f, "core/runtimes/ray_env.py", "core/env/transition_replay.py") for fn, f, _ in parsed):
+            fn in ("__init__",) and _is(f, "core/runtimes/ray_env_hosts.py", "core/env/transition_replay.py") for fn, f, _ in parsed):
         return STARTUP
     # ext.replay: its pure-Python reference's frames, the compiled extension's C frames (with
     # --native), or the line of transition_replay.py that calls the buffer.
@@ -258,11 +258,11 @@ def workload(mode: str, env_steps: int, seed: int) -> None:
     sc = _scenario(env_steps)
     t0 = time.perf_counter()
     if mode == "sync":
-        from core.env.sync_loop import run_sync
+        from core.runtimes.local_env import run_sync
 
         curve = asyncio.run(run_sync(sc, seed, stop_at_target=False))
     else:
-        from core.runtimes.ray import cluster
+        from core.runtimes.ray_start import cluster
         from core.runtimes.ray_env import run_async
 
         with cluster(None, 2):

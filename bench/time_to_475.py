@@ -41,9 +41,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from core.env.evaluation import episode_returns  # noqa: E402
-from core.env.sync_loop import run_sync  # noqa: E402
+from core.runtimes.local_env import run_sync  # noqa: E402
 from core.env.wiring import EVAL_SEED  # noqa: E402
-from core.runtimes.ray import start_cluster  # noqa: E402
+from core.runtimes.ray_start import start_cluster  # noqa: E402
 from core.runtimes.ray_env import run_async  # noqa: E402
 from harness.scenario import ScenarioError, load  # noqa: E402
 

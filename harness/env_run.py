@@ -12,7 +12,6 @@ checkpoints in ``DIR/seed-<s>/<mode>/`` while it goes, a run that stopped goes o
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 from pathlib import Path
@@ -23,15 +22,17 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from core.env.chunk_intake import STALE
+from core.env.curve import EnvCurve
 from core.env.footprint import check_memory
-from core.env.sync_loop import EnvCurve, run_sync
 from core.env.wiring import env_space
 from core.model.config import ConfigError, clipped, shown
 from core.model.env_config import EnvScenario
 from core.model.progress import ProgressFn
-from core.runtimes.ray import cluster
-from core.runtimes.ray_env import PlacementError, check_fits, check_resume, run_async
-from core.runtimes.sim_env import run_env_sim
+from core.runtimes.dispatch import run_env_mode
+from core.runtimes.ray_env import PlacementError, check_fits
+from core.runtimes.ray_env_state import check_resume
+from core.runtimes.ray_start import cluster
 from harness import report
 from harness.live_metrics import MetricsStream
 from harness.profiler import Profiler
@@ -55,14 +56,12 @@ def metrics(sc: EnvScenario, curve: EnvCurve) -> dict:
     hit = curve.first_reaching(sc.env.target_return)
     st = curve.replay
     steps = st["env_steps"]
+    led = curve.chunks
     if sc.learner == "ppo":
         # Transitions drawn by gradient steps per transition that arrived: epochs, less what was dropped.
         spi = curve.updates * sc.ppo.minibatch / steps if steps else 0.0
-        dropped = st["stale_on_arrival"] + st["evicted_stale"] + curve.dropped_at_learner
-        accounted = curve.trained_chunks + dropped + st["chunks_refused"] + st["left_at_end"]
     else:
-        spi, dropped = st["samples_per_insert"], 0
-        accounted = st["chunks"]
+        spi = st["samples_per_insert"]
     return {
         "reached_target": hit is not None,
         "time_to_target_s": curve.wall_s[hit] if hit is not None else None,
@@ -84,11 +83,12 @@ def metrics(sc: EnvScenario, curve: EnvCurve) -> dict:
         "rows_evicted_unsampled": st.get("rows_evicted_unsampled"),
         "rows_refused": st["rows_refused"],
         "episodes": curve.episodes,
-        # The ledger: every chunk a sampler sent is stored, trained, dropped (by reason) or refused at the end.
-        "chunks_produced": curve.produced_chunks,
-        "chunks_trained": curve.trained_chunks if sc.learner == "ppo" else None,
-        "chunks_dropped_stale": dropped,
-        "chunks_lost": curve.produced_chunks - accounted,
+        # The ledger (core/env/chunk_intake.py): every chunk a sampler sent is trained, dropped (by
+        # reason: too stale, or refused at the close) or in flight (in the store at the end).
+        "chunks_produced": led.produced,
+        "chunks_trained": led.trained if sc.learner == "ppo" else None,
+        "chunks_dropped_stale": sum(led.dropped[r] for r in STALE),
+        "chunks_lost": led.produced - led.trained - led.dropped_total - curve.chunks_in_flight,
         "learner": curve.learner,
         "evaluations_lost": curve.evaluations_lost,
         **{k: v for k, v in curve.faults.items() if k.startswith("faults/")},
@@ -148,12 +148,7 @@ def run_one(sc: EnvScenario, mode: str, seed: int, workdir: Path, stop_at_versio
     with ``profile``, py-spy's flame graphs of the driver and every actor in ``profile/``);
     ``on_progress`` is told each version published and each evaluation."""
     with Profiler(workdir / "profile") if profile else contextlib.nullcontext() as profiler:
-        if sc.runtime == "sim":
-            return run_env_sim(sc, mode, seed, on_progress)
-        if mode == "sync":
-            return asyncio.run(run_sync(sc, seed, run_dir=workdir, stop_at_version=stop_at_version, on_progress=on_progress))
-        return run_async(sc, seed, workdir=workdir, stop_at_version=stop_at_version, on_progress=on_progress,
-                         on_processes=profiler.attach if profiler else None)
+        return run_env_mode(sc, mode, seed, workdir, stop_at_version, on_progress, profiler.attach if profiler else None)
 
 
 def main(sc: EnvScenario, out: Path, console: Console, plots: bool, *, profile: bool = False,

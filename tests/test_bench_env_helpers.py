@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from core.env.sync_loop import run_sync
+from core.runtimes.local_env import run_sync
 from harness.scenario import load
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,7 +65,7 @@ def _line_of(path: str, text: str) -> int:
 
 
 def test_stacks_are_charged_to_what_they_ran(profile):
-    loop = ["<module> (bench/profile_env_learner.py:1)", "run_sync (core/env/sync_loop.py:90)"]
+    loop = ["<module> (bench/profile_env_learner.py:1)", "run_sync (core/runtimes/local_env.py:90)"]
     # The pure-Python replay: its own frames.
     ref = loop + ["TransitionReplay.sample (core/env/transition_replay.py:1)", "ReplayBuffer.sample (ext/_replay_ref.py:400)",
                   "sum (numpy/_core/fromnumeric.py:1)"]
@@ -88,8 +88,8 @@ def test_stacks_are_charged_to_what_they_ran(profile):
 
 
 def test_shares_leave_out_startup_waiting_and_frames_outside_the_loop(profile):
-    stacks = [([], 5), (["main (a.py:1)"], 7), (["run_sync (core/env/sync_loop.py:1)", "f (gymnasium/core.py:1)"], 3),
-              (["run_sync (core/env/sync_loop.py:1)", "Thread.run (threading.py:982)"], 2)]
+    stacks = [([], 5), (["main (a.py:1)"], 7), (["run_sync (core/runtimes/local_env.py:1)", "f (gymnasium/core.py:1)"], 3),
+              (["run_sync (core/runtimes/local_env.py:1)", "Thread.run (threading.py:982)"], 2)]
     counts, total, left_out, waiting = profile.shares(stacks, keep="run_sync")
     assert counts == {"gymnasium": 3} and total == 3 and left_out == 12 and waiting == 2
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from core.env.dqn import MIN_PRIORITY, DQNLearner, EpsilonGreedy
-from core.env.sync_loop import run_sync
+from core.runtimes.local_env import run_sync
 from core.store import checkpoint
 from core.model.config import with_changes
 from core.model.env_config import EnvScenario

@@ -13,7 +13,7 @@ from core.api import RunStopped
 from core.env.chunk_intake import ChunkAccountingError
 from core.env.ppo import vtrace
 from core.env.segment_queue import SegmentQueue
-from core.env.sync_loop import run_sync
+from core.runtimes.local_env import run_sync
 from core.env.wiring import env_space, make_learner, make_policy, make_sampler
 from core.model.config import with_changes
 from core.model.env_config import EnvScenario
@@ -323,4 +323,7 @@ def test_a_sync_run_stopped_at_a_version_resumes_to_the_same_counts(tmp_path, le
     assert abs(resumed.updates - whole.updates) <= (0 if learner == "ppo" else 1)
     if learner == "ppo":
         assert resumed.trained_chunks == whole.trained_chunks == resumed.produced_chunks
+    # The ledger, as an LLM run's: produced = trained + dropped + in flight, across the resume too.
+    for c in (resumed, whole):
+        assert c.chunks.produced == c.chunks.trained + c.chunks.dropped_total + c.chunks_in_flight > 0
     assert resumed.env_steps == whole.env_steps  # evaluated at the same env steps, the ones before the stop kept

@@ -128,6 +128,7 @@ def test_a_sim_run_through_the_harness_starts_no_ray_and_reports_what_it_can(tmp
     assert main(["scenarios/cartpole-dqn.yaml", "--out", str(out), "--set", "runtime=sim", "--set", "env.env_steps=5000"]) == 0
     m = json.loads((out / "seed-0" / "async" / "report.json").read_text())["metrics"]
     assert m["time_to_target_s"] is None and m["env_steps"] >= 5000 and 0 <= m["sim"]["replay_busy"] <= 1
+    assert m["chunks_produced"] > 0 and m["chunks_lost"] == 0  # every chunk on the ledger, in the replay at the end
     printed = capsys.readouterr().out
     assert "simulated throughput" in printed and not (out / "return_vs_time.png").exists()
 

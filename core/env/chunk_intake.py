@@ -1,6 +1,13 @@
 """Where sampler chunks arrive, whichever store takes them (the DQN replay or the PPO queue):
 each sampler's chunks in order, and the counts a ledger of the run needs.
 
+The run's chunks go on the pipeline's ``Ledger``, as an LLM run's samples do (``run_ledger``):
+
+    produced (the samplers' chunks) = trained (PPO's learner) + dropped (by reason) + in flight
+
+where in flight is what the store held when the run stopped (PPO: left queued at the close;
+DQN: in the replay, whose rows are drawn, never trained as chunks). A chunk in no count is lost.
+
 A chunk is named by (sampler, seq). One that arrives ahead of its turn means one before it was
 lost: an error here, never a silent gap in the accounting. One that arrives again (its sampler
 never heard back, from a store that crashed after taking it) is counted as resent and not
@@ -13,7 +20,16 @@ import asyncio
 import contextlib
 from typing import Iterator
 
+from core.model.env_config import EnvScenario
+from core.model.ledger import Ledger
 from core.model.transition_wire import TransitionChunk
+
+# Why a chunk was dropped, as the run's ledger names it.
+STALE_ON_ARRIVAL = "stale_on_arrival"  # PPO's queue: too stale when it arrived
+EVICTED_STALE = "evicted_stale"  # PPO's queue: grew too stale while queued
+STALE_AT_LEARNER = "stale_at_learner"  # PPO's learner: too stale when it took the chunk
+STALE = (STALE_ON_ARRIVAL, EVICTED_STALE, STALE_AT_LEARNER)
+REFUSED = "refused_at_close"  # either store: arrived while the run was stopping
 
 
 class ChunkAccountingError(RuntimeError):
@@ -86,3 +102,23 @@ class ChunkIntake:
             "env_steps": self.env_steps,
             "episodes": len(self.episode_returns),
         }
+
+
+def chunk_ledger(sc: EnvScenario) -> Ledger:
+    """An empty ledger of chunks; its bound is PPO's version gate (a DQN learner trains none)."""
+    return Ledger(sc.ppo.max_staleness if sc.learner == "ppo" else 0)
+
+
+def run_ledger(sc: EnvScenario, produced: int, learner: Ledger, store: dict) -> tuple[Ledger, int]:
+    """(the run's ledger of chunks, chunks in flight at the end): the samplers' ``produced``, the
+    learner's own ledger (trained, dropped at the learner) and the store's ``stats()`` (dropped,
+    and what it held when the run stopped)."""
+    led = chunk_ledger(sc)
+    led.merge(learner)
+    led.admitted_n(produced)
+    led.dropped_n(store["chunks_refused"], REFUSED)
+    if sc.learner == "ppo":
+        led.dropped_n(store["stale_on_arrival"], STALE_ON_ARRIVAL)
+        led.dropped_n(store["evicted_stale"], EVICTED_STALE)
+        return led, store["left_at_end"]
+    return led, store["chunks"] - store["chunks_refused"]

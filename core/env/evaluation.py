@@ -12,6 +12,10 @@ from typing import Callable
 import gymnasium as gym
 import numpy as np
 
+from core.env.sampler import Policy
+from core.env.wiring import EVAL_SEED
+from core.model.env_config import EnvScenario
+
 
 def episode_returns(act: Callable[[np.ndarray], np.ndarray], env_id: str, episodes: int, seed: int) -> np.ndarray:
     """The return of one episode in each of ``episodes`` environments; ``act(obs) -> actions``."""
@@ -32,3 +36,8 @@ def episode_returns(act: Callable[[np.ndarray], np.ndarray], env_id: str, episod
         return returns
     finally:
         envs.close()
+
+
+def greedy_return(sc: EnvScenario, seed: int) -> Callable[[Policy], float]:
+    """Mean return of ``env.eval_episodes`` episodes, acting greedily."""
+    return lambda policy: float(episode_returns(policy.greedy, sc.env.id, sc.env.eval_episodes, seed * 7919 + EVAL_SEED).mean())

@@ -54,5 +54,11 @@ def check(root: Union[str, Path]) -> None:
     stems = st.get("stems")
     if not isinstance(stems, list) or not {"version", "learner", "last"} <= set(st):
         raise checkpoint.CheckpointError(str(path), "not an env learner's checkpoint", "start the run again")
+    # The learner's chunk ledger: the sync loop keeps it in its curve, the async learner beside it.
+    curve = st.get("curve")
+    ledger = curve.get("chunks") if isinstance(curve, dict) else st.get("chunks")
+    if not isinstance(ledger, dict):
+        raise checkpoint.CheckpointError(str(path), "holds no ledger of the chunks trained (written before asyncrl counted them "
+                                         "in one)", "start the run again")
     for k in stems:
         checkpoint.load_tensors(path, k)

@@ -8,7 +8,7 @@
                 ▲                                                                   │ chunks_per_batch chunks
                 └──────────── weights, one version per batch ◄──────────── PPOLearner ◄┘ (V-trace, PPO epochs)
 
-Sync mode runs these parts in one thread (``core/env/sync_loop.py``); async mode puts each in
+Sync mode runs these parts in one thread (``core/runtimes/local_env.py``); async mode puts each in
 its own Ray actor (``core/runtimes/ray_env.py``), built by the same functions here.
 """
 

@@ -218,6 +218,18 @@ class Ledger:
     def step_done(self, now: float) -> None:
         self.step_ends.append((now, self.trainings))
 
+    # Units counted whole, not as groups of samples: an env run's chunks (core/env/chunk_intake.py).
+    def admitted_n(self, n: int) -> None:
+        self.produced += n
+
+    def trained_n(self, n: int) -> None:
+        self.trained += n
+        self.trainings += n
+
+    def dropped_n(self, n: int, reason: str) -> None:
+        if n:
+            self.dropped[reason] += n
+
     @property
     def dropped_total(self) -> int:
         return sum(self.dropped.values())

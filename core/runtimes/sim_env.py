@@ -13,8 +13,9 @@ from typing import Optional
 
 import numpy as np
 
+from core.env.chunk_intake import chunk_ledger, run_ledger
+from core.env.curve import EnvCurve
 from core.env.rate_limiter import RateLimiter
-from core.env.sync_loop import EnvCurve
 from core.env.wiring import env_space, replay_spec
 from core.model.config import ConfigError
 from core.model.env_config import EnvScenario
@@ -60,12 +61,11 @@ def run_env_sim(sc: EnvScenario, mode: str, seed: int, on_progress: Optional[Pro
         res = virtual_clock.run(sim.run())
     except virtual_clock.SimulationStalled as exc:
         raise virtual_clock.SimulationStalled(f"{exc}; the rate limiter then: {limiter.stats()}") from None
-    return _curve(res, limiter, row_bytes, param_bytes)
+    return _curve(sc, res, limiter, row_bytes, param_bytes)
 
 
-def _curve(res: EnvSimResult, limiter: RateLimiter, row_bytes: int, param_bytes: int) -> EnvCurve:
-    curve = EnvCurve(updates=res.updates, versions=res.versions, train_s=res.train_s, learner=dict(res.learner_s),
-                     produced_chunks=res.chunks)
+def _curve(sc: EnvScenario, res: EnvSimResult, limiter: RateLimiter, row_bytes: int, param_bytes: int) -> EnvCurve:
+    curve = EnvCurve(updates=res.updates, versions=res.versions, train_s=res.train_s, learner=dict(res.learner_s))
     curve.replay = {
         **limiter.stats(),
         "env_steps": res.env_steps,
@@ -74,6 +74,7 @@ def _curve(res: EnvSimResult, limiter: RateLimiter, row_bytes: int, param_bytes:
         "rows_evicted_unsampled": None,  # the sim keeps no rows, so it cannot tell
         "rows_refused": 0,
         "chunks": res.chunks,
+        "chunks_refused": 0,
         "sim": {
             "row_bytes": row_bytes,
             "param_bytes": param_bytes,
@@ -86,4 +87,6 @@ def _curve(res: EnvSimResult, limiter: RateLimiter, row_bytes: int, param_bytes:
             "replay_busy": res.replay_busy,
         },
     }
+    # Every chunk a sampler sent is in the replay: the sim drops none, and learns no chunk whole.
+    curve.chunks, curve.chunks_in_flight = run_ledger(sc, res.chunks, chunk_ledger(sc), curve.replay)
     return curve

@@ -4,14 +4,17 @@
 step); ``strike`` decides *what* each kind of fault does, through the ``FaultTargets`` a
 runtime implements (*how*: cancel a task on the virtual clock, or kill a Ray actor).
 ``supervise_trainer`` restarts a trainer whose process died from its latest checkpoint,
-up to ``recovery.max_restarts`` times.
+up to ``recovery.max_restarts`` times. ``RestartBudget`` counts, bounds and logs the restarts
+of a runtime's components: the trainer's here, the env actors' (``ray.max_restarts``) in
+``core/runtimes/ray_env.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable, Protocol
+from collections import Counter
+from typing import Awaitable, Callable, Mapping, Optional, Protocol
 
 from core.model.config import FaultSpec
 from core.model.faults import FaultLog, FaultPlan, RestartsExhausted, worker_key
@@ -96,6 +99,31 @@ class FaultInjector:
         self._timers.clear()
 
 
+class RestartBudget:
+    """Restarts per component, each allowed ``max_restarts`` (the setting named ``setting``).
+    ``counts``: restarts before this process (a resumed run's), which number the incarnations
+    but spent the budget of actors gone since: Ray's budget is per actor."""
+
+    def __init__(self, max_restarts: int, setting: str, counts: Optional[Mapping[str, int]] = None) -> None:
+        self.max_restarts, self.setting = max_restarts, setting
+        self.counts: Counter[str] = Counter(counts or {})
+        self._before = Counter(self.counts)
+
+    def spend(self, component: str) -> int:
+        """One more restart of ``component``: its count so far, this one included;
+        ``RestartsExhausted`` past the budget."""
+        self.counts[component] += 1
+        n = self.counts[component] - self._before[component]
+        if n > self.max_restarts:
+            raise RestartsExhausted(f"{component}: killed {n} times, more than {self.setting} = {self.max_restarts}")
+        return self.counts[component]
+
+    def restarted(self, component: str, how: str) -> None:
+        """``component`` is back, as ``how`` says."""
+        log.info("%s restarted (%d of %s = %d): %s", component, self.counts[component] - self._before[component],
+                 self.setting, self.max_restarts, how)
+
+
 class TrainerDied(Exception):
     """The trainer's process died (killed, or its actor lost)."""
 
@@ -109,7 +137,7 @@ async def supervise_trainer(
     """Train to the end: ``run(resync)`` trains; when it raises one of ``died``, ``restart()``
     brings a new trainer back from the latest checkpoint, and it runs again with ``resync``
     (first moving the engines to its weights, which may be older than theirs)."""
-    restarts = 0
+    budget = RestartBudget(max_restarts, "recovery.max_restarts")
     resync = False
     while True:
         try:
@@ -117,9 +145,7 @@ async def supervise_trainer(
             return
         except died as exc:
             log.info("trainer died: %s", exc)
-        restarts += 1
-        if restarts > max_restarts:
-            raise RestartsExhausted(f"trainer: killed {restarts} times, more than recovery.max_restarts = {max_restarts}")
+        budget.spend("trainer")
         await restart()
         resync = True
 

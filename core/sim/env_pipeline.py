@@ -16,7 +16,7 @@ on modelled costs (``EnvSimSpec``), paced by the real rate limiter.
         updates on the previous call's; learner_update_s each; a new version, one ray.put,
         every dqn.publish_every updates
 
-    sync (as core/env/sync_loop.py): one process collects a chunk, inserts it, then updates for
+    sync (as core/runtimes/local_env.py): one process collects a chunk, inserts it, then updates for
     as long as the limiter lets it sample; every cost adds up.
 
 A link or the replay is a first-come-first-served resource: a request's finish time is computed
