@@ -1,7 +1,8 @@
 # asyncrl: set up, build the Cython hot paths, run, test.
 #
 #   make test     the whole suite (tests/) on the compiled extensions, again on the pure-Python
-#                 references (ASYNCRL_PUREPYTHON=1), then every micro-benchmark (bench/)
+#                 references (ASYNCRL_PUREPYTHON=1) less the tests marked `runtime` (their subject
+#                 is the Ray or vLLM runtime, not the backend), then every micro-benchmark (bench/)
 #   make run      the quickstart scenario, on the slim install (no torch, Ray or vLLM)
 #   make load     the local-runtime load check, async and partial: a producer ~10x faster
 #                 than the trainer for LOAD_S real seconds each (default 120); queue bound,
@@ -54,9 +55,16 @@ run: $(SLIM)
 
 # Plain `pytest` from the root collects tests/ only and `pytest --benchmark-only` bench/ only
 # (testpaths and conftest.py); a --benchmark-only run that finds no benchmark fails.
+# The pure pass never collects nothing (exit 5): tests/test_suite_split.py is in it, and checks
+# that every module importing ext is too. Each pass runs on TEST_WORKERS pytest-xdist workers
+# (0: in this process): in one process the suite kept 2 cores about half busy (a test waiting on
+# a subprocess, a timeout, an actor's start), on two all but full. worksteal hands each worker
+# half the suite in order (a module's fixtures are made once, mostly) and lets the first done
+# take tests off the other's end. Each worker starts its own Ray test cluster if it needs one.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	ASYNCRL_PUREPYTHON=0 $(PY) -m pytest
-	ASYNCRL_PUREPYTHON=1 $(PY) -m pytest
+	ASYNCRL_PUREPYTHON=0 $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal
+	ASYNCRL_PUREPYTHON=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not runtime"
 	$(MAKE) --no-print-directory bench
 
 LOAD_S ?= 120

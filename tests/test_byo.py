@@ -396,6 +396,7 @@ def test_model_dir_errors_are_one_line():
         read_model_dir("no/such/dir")
 
 
+@pytest.mark.runtime
 def test_reward_fn_scores_the_same_in_a_serve_replica_process(ray_session, tiny_model_dir, prompts_file):
     """A Serve replica is a Ray actor of RewardService built from the scenario (deploy_reward;
     tests/test_runtimes.py runs it through Serve itself): in its own process it imports the
@@ -424,6 +425,7 @@ def test_reward_fn_scores_the_same_in_a_serve_replica_process(ray_session, tiny_
     ray_session.kill(failing)
 
 
+@pytest.mark.runtime
 @pytest.mark.slow
 def test_vllm_serves_your_model_and_takes_its_new_weights(llama_dir):
     """One vLLM engine on the Llama directory (18 to 30 s measured on 2 shared cores, most of it vLLM's start)."""

@@ -45,6 +45,7 @@ def test_uniform_replay_and_one_step_rows_run_too(tmp_path):
     assert m["updates"] > 0
 
 
+@pytest.mark.runtime
 def test_an_env_scenario_runs_async_on_ray_and_profiles_every_actor(tmp_path, ray_session, capsys):
     out = tmp_path / "run"
     rc = main(["scenarios/cartpole-dqn.yaml", "--out", str(out), "--no-plots", "--profile", "--set", "modes=[async]",
@@ -87,6 +88,7 @@ def test_bad_env_input_is_one_line_and_exit_2_before_anything_runs(tmp_path, cap
     assert needle in " ".join(err.split()) and not out.exists()
 
 
+@pytest.mark.runtime
 def test_a_run_the_cluster_cannot_place_is_refused(tmp_path, capsys, ray_session):
     out = tmp_path / "run"
     too_many = int(ray_session.cluster_resources()["CPU"]) + 1  # the session's test cluster, whatever its nodes
@@ -99,6 +101,7 @@ PPO_QUICK = ["--no-plots", "--set", "env.env_steps=4096", "--set", "env.eval_eve
              "--set", "ppo.epochs=2", "--set", "ray.sampler.num_cpus=0.5", "--set", "env.samplers=2", "--set", "seeds=[0]"]
 
 
+@pytest.mark.runtime
 @pytest.mark.parametrize("learner", ["ppo", "dqn"])
 def test_an_env_run_stopped_at_a_version_resumes_and_accounts_for_every_chunk(tmp_path, capsys, ray_session, learner):
     """The async run stops at learner version 4, as a crash would, and --resume goes on from its

@@ -12,6 +12,9 @@ from core.model.config import with_changes
 from core.model.env_config import EnvScenario
 from core.runtimes.ray_env import LearnerHost, SamplerHost, run_async
 
+# The env pipeline's actors on Ray are the subject: `make test`'s pure-Python pass skips them.
+pytestmark = pytest.mark.runtime
+
 # Small and quick: what is checked here is the actors' traffic and accounting. Learning to 475
 # is the sync test's and the dated results' (docs/results).
 QUICK = {
@@ -77,6 +80,8 @@ def test_async_ppo_trains_each_chunk_once_within_its_staleness_and_accounts_for_
     assert curve.produced_chunks == st["chunks"] == st["sampler_chunks"] > 0
     assert curve.trained_chunks + dropped + st["chunks_refused"] + st["left_at_end"] == st["chunks"]
     assert curve.trained_chunks == curve.versions > 0 and st["delivered"] == curve.trained_chunks + curve.dropped_at_learner
+    led = curve.chunks  # the same, on the run's Ledger: produced = trained + dropped + in flight
+    assert led.produced == led.trained + led.dropped_total + curve.chunks_in_flight and curve.chunks_in_flight == st["left_at_end"]
     # Each trained chunk lagged the learner by at most ppo.max_staleness versions.
     assert len(curve.policy_lag) == curve.trained_chunks and 0 <= min(curve.policy_lag) and max(curve.policy_lag) <= 1
     assert curve.updates == curve.trained_chunks * 2 and all(n >= 1 for n in st["weights_fetched"])
@@ -98,6 +103,7 @@ def test_killing_a_sampler_and_the_replay_mid_run_loses_no_chunk(ray_session):
     # The ledger: what the samplers produced (by their chunk numbers, across the restart) is what
     # the replay took, no chunk missing (that raises) or taken twice (a resend is counted apart).
     assert curve.produced_chunks == st["chunks"] == st["sampler_chunks"]
+    assert curve.chunks.produced == curve.chunks.dropped_total + curve.chunks_in_flight  # DQN: stored, or refused at the close
     assert st["env_steps"] >= 6_000 and curve.updates > 0
     assert st["rows_inserted"] == st["inserts"] and st["rows_sampled"] == st["samples"]
 

@@ -18,14 +18,13 @@ from core.real.grpo import TorchTrainBackend, group_advantages, peak_flops, seco
 from core.real.reward import task_from
 from core.model.sample import Group, Sample
 from core.real.task import Task
-from core.real.tiny_model import ensure
 
 THREADS = 2
 
 
 @pytest.fixture(scope="session")
-def model_dir(tmp_path_factory) -> Path:
-    return ensure(tmp_path_factory.mktemp("tiny") / "m")
+def model_dir(tiny_model_dir) -> Path:
+    return tiny_model_dir  # the session's: the same deterministic build, made once
 
 
 def make_task(model_dir: Path, spec: TaskSpec = TaskSpec(), seed: int = 0) -> Task:
@@ -373,7 +372,7 @@ def test_peak_flops_is_measured():
 
 
 def test_learns_the_task(model_dir):
-    """Reward rises clearly within a few dozen on-policy steps (fixed seeds, ~25 s on 2 idle cores)."""
+    """Reward rises clearly within a few dozen on-policy steps (fixed seeds, ~28 s on 2 idle cores)."""
     backend, hist, wall = train_loop(model_dir, LearnSpec(), steps=STEPS, groups=GROUPS, n=N, max_len=MAX_LEN)
     r = [h["reward_mean"] for h in hist]
     first, last = np.mean(r[:5]), np.mean(r[-10:])
@@ -382,5 +381,7 @@ def test_learns_the_task(model_dir):
     assert all(h["updates"] >= 1 for h in hist)
 
 
-# 8 groups of 8, the batch the defaults were tuned on; 50 steps (~25 s alone) keep it under a minute.
-STEPS, GROUPS, N, MAX_LEN = 50, 8, 8, 96
+# 8 groups of 8, the batch the defaults were tuned on. 30 steps: measured, the mean reward of the
+# last 10 is 4.0x that of the first 5 (0.27 against 0.067; at 20 steps 2.5x, at 50 7.2x), where
+# the test asks for 1.5x and +0.04; the later steps are the longer ones (longer responses).
+STEPS, GROUPS, N, MAX_LEN = 30, 8, 8, 96

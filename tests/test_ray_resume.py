@@ -15,6 +15,9 @@ from core.runtimes.run_checkpoint import checkpoint_dir
 from core.store.checkpoint import checkpoints, load
 from tests.test_runtimes import assert_recovered_run, small
 
+# The ray runtime's resume is the subject: `make test`'s pure-Python pass skips it.
+pytestmark = pytest.mark.runtime
+
 
 def ray_torch(model_dir, **changes):
     return small(

@@ -70,31 +70,33 @@ def ran_on(system) -> dict:
     return system.nodes, ray.get_runtime_context().get_node_id()
 
 
-def test_ray_runtime_all_modes_on_vllm(ray_session, tiny_model_dir):
-    """The short real-cpu-vllm run inside the suite: every mode, across the test cluster's
+@pytest.mark.runtime
+@pytest.mark.parametrize("mode", MODES)  # one case per mode: each ~75 s of actor start-up, so xdist can spread them
+def test_ray_runtime_every_mode_on_vllm(mode, ray_session, tiny_model_dir):
+    """The short real-cpu-vllm run inside the suite, in each mode, across the test cluster's
     nodes: STRICT_SPREAD puts each bundle (engine, trainer) on a node of its own; the rollout
     actor stays on the driver's."""
     # Broadcast sync (the default transport) in buckets of 0.25 MB: the tiny model goes in ten.
     sc = small("scenarios/real-cpu-vllm.yaml", tiny_model_dir, **{"ray.placement_strategy": "STRICT_SPREAD", "sync.bucket_mb": 0.25})
-    out = {}
-    for mode in sc.modes:
-        system = run_mode(sc, mode)
-        out[mode] = assert_accounted(system)
-        assert len(system.sync.transfer_s) == sc.trainer.steps - 1 and all(t > 0 for t in system.sync.transfer_s)  # none after the last step
-        nodes, driver = ran_on(system)
-        assert nodes["rollouter"] == [driver]
-        assert all(len(seen) == 1 for seen in nodes.values())  # nothing moved
-        engines = [nodes[n][0] for n in nodes if n.startswith("engine")]
-        assert len(set(engines) | {driver}) == len(engines) + 1, nodes
-        # sync colocates the trainer with engine 0 on its bundle; otherwise it has its own
-        assert (nodes["trainer"][0] == engines[0]) if system.placement.colocated else (nodes["trainer"][0] not in {*engines, driver}), nodes
-        spans = system.timeline.spans
-        assert spans["trainer"] and spans["engine000"]  # engine spans came back from the actor
-        assert all(0 <= a <= b <= system.end_s + 5 for rows in spans.values() for _, a, b in rows)
-    assert out["partial"]["trainer/final_version"] == sc.trainer.steps - 1
+    assert mode in sc.modes
+    system = run_mode(sc, mode)
+    m = assert_accounted(system)
+    assert m["trainer/final_version"] == sc.trainer.steps - 1
+    assert len(system.sync.transfer_s) == sc.trainer.steps - 1 and all(t > 0 for t in system.sync.transfer_s)  # none after the last step
+    nodes, driver = ran_on(system)
+    assert nodes["rollouter"] == [driver]
+    assert all(len(seen) == 1 for seen in nodes.values())  # nothing moved
+    engines = [nodes[n][0] for n in nodes if n.startswith("engine")]
+    assert len(set(engines) | {driver}) == len(engines) + 1, nodes
+    # sync colocates the trainer with engine 0 on its bundle; otherwise it has its own
+    assert (nodes["trainer"][0] == engines[0]) if system.placement.colocated else (nodes["trainer"][0] not in {*engines, driver}), nodes
+    spans = system.timeline.spans
+    assert spans["trainer"] and spans["engine000"]  # engine spans came back from the actor
+    assert all(0 <= a <= b <= system.end_s + 5 for rows in spans.values() for _, a, b in rows)
     assert ray_session.is_initialized()  # the runtime did not stop the shared instance
 
 
+@pytest.mark.runtime
 def test_ray_runtime_on_torch_engines_across_nodes(ray_session, tiny_model_dir):
     """real-cpu-torch's engine on the ray runtime, SPREAD over the test cluster: nothing lost,
     and no bundle on the driver's node (it has no CPUs). Sync and inflight here; async and
@@ -112,10 +114,14 @@ def test_ray_runtime_on_torch_engines_across_nodes(ray_session, tiny_model_dir):
         assert driver not in {seen[0] for name, seen in nodes.items() if name != "rollouter"}, nodes
 
 
+@pytest.mark.runtime
 def test_evaluation_arrives_while_training_continues(ray_session, tiny_model_dir):
+    """Evaluators are Ray tasks sampling with the HF model, whatever the engine: on torch engines
+    the run starts in a third of a vLLM run's time (vLLM's runs: the tests above and below), and
+    24 of their quicker steps still outlast a first evaluation in a cold worker (~7 s, 2 cores)."""
     sc = small(
         "scenarios/real-cpu-vllm.yaml", tiny_model_dir,
-        **{"trainer.steps": 8, "eval.every": 2, "eval.prompts": 4, "eval.workers": 2, "ray.poll_s": 0.05},
+        **{"engine.kind": "torch", "trainer.steps": 24, "eval.every": 8, "eval.prompts": 4, "eval.workers": 2, "ray.poll_s": 0.05},
     )
     system = run_mode(sc, "async")
     evals = system.evaluations
@@ -130,6 +136,7 @@ def test_evaluation_arrives_while_training_continues(ray_session, tiny_model_dir
     assert collect(system)["eval/count"] == len(evals)
 
 
+@pytest.mark.runtime
 def test_serve_reward_matches_in_process(ray_session, tiny_model_dir):
     from core.real.reward import ServeReward, TaskReward, deploy_reward, make_task
     from core.model.sample import Group, Sample
@@ -160,6 +167,7 @@ def test_serve_reward_matches_in_process(ray_session, tiny_model_dir):
     assert max(r for rs in local for r in rs) == 1.0
 
 
+@pytest.mark.runtime
 def test_reward_served_in_a_run(ray_session, tiny_model_dir):
     """... with STRICT_PACK: engine and trainer on one node (not the driver's, which has no CPUs).
     The user's function fails now and then in the replica; with reward.on_error: skip the
@@ -176,6 +184,7 @@ def test_reward_served_in_a_run(ray_session, tiny_model_dir):
     assert nodes["engine000"] == nodes["trainer"] != [driver], nodes
 
 
+@pytest.mark.runtime
 def test_a_reward_that_fails_in_an_engine_actor_ends_the_run_in_one_line(ray_session, tiny_model_dir):
     """Scored where the tokens are (the engine actors): the user's error crosses Ray as itself,
     and the run ends with the guard's one line, not a restart of the engine."""
@@ -189,6 +198,7 @@ def test_a_reward_that_fails_in_an_engine_actor_ends_the_run_in_one_line(ray_ses
     assert "raised ValueError: no verifier for this answer; fix:" in line and "\n" not in line
 
 
+@pytest.mark.runtime
 def test_weights_are_put_once_per_version(ray_session):
     from core.runtimes.object_store_transfer import ObjectStoreTransfer
 
@@ -209,6 +219,7 @@ def test_weights_are_put_once_per_version(ray_session):
     assert t.bytes == 16 and t.put_s > 0
 
 
+@pytest.mark.runtime
 def test_profile_writes_flame_graphs_for_driver_and_actors(ray_session, tiny_model_dir, tmp_path):
     from harness.run import main
 
@@ -264,6 +275,7 @@ def assert_recovered_run(system) -> dict:
 
 # One vLLM engine's restart (its engine core process goes with it) and one torch engine's: an
 # engine's start is most of such a run's time, and vLLM's is the longer (~25 s of a core).
+@pytest.mark.runtime
 @pytest.mark.parametrize(("mode", "engine"), [("async", "vllm"), ("partial", "torch")])
 def test_ray_kills_of_a_rollout_worker_and_the_trainer_lose_nothing(ray_session, tiny_model_dir, mode, engine):
     """Ray restarts both (max_restarts): the worker's groups are generated again, the trainer
@@ -292,6 +304,7 @@ def test_ray_kills_of_a_rollout_worker_and_the_trainer_lose_nothing(ray_session,
     assert all(r.recovered_s > r.at_s for r in system.faults.records)
 
 
+@pytest.mark.runtime
 @pytest.mark.parametrize(("mode", "strategy", "of", "engine"), [
     ("async", "STRICT_SPREAD", "rollout_worker", "vllm"), ("partial", "PACK", "trainer", "torch"),
 ])
@@ -319,6 +332,7 @@ def test_ray_node_lost_mid_run_loses_nothing(ray_session, spare_node, tiny_model
     assert nodes["rollouter"] == [driver]
 
 
+@pytest.mark.runtime
 def test_ray_hung_and_slow_workers_time_out_and_recover(ray_session, tiny_model_dir):
     """A generate that never answers is given up on after timeouts.generate_s, the worker is
     killed and restarted; a slowed worker only costs time."""
@@ -365,6 +379,7 @@ def test_local_run_stopped_and_resumed_accounts_for_every_sample(tiny_model_dir,
     assert [i["trainings"] for i in system.trainer.step_info] == [32 * k for k in range(1, 7)]
 
 
+@pytest.mark.runtime
 def test_harness_joins_a_running_cluster(ray_cluster, tiny_model_dir, tmp_path):
     """As a user would: scenarios/real-cpu-cluster.yaml run by the harness in its own process,
     joining the session's cluster through ray.address (the code goes with it as py_modules)."""
@@ -388,6 +403,7 @@ def test_harness_joins_a_running_cluster(ray_cluster, tiny_model_dir, tmp_path):
     assert set(report["series"]["nodes"]) == {"engine000", "rollouter", "trainer"}
 
 
+@pytest.mark.runtime
 def test_model_dir_a_node_cannot_see_is_shipped_once_or_refused(ray_session, tiny_model_dir, tmp_path):
     """On a worker node, a model path that node does not see: the driver's copy, shipped through
     the object store, is unpacked once into a stamped cache directory and reused; with none

@@ -93,22 +93,48 @@ def test_token_balanced_cuts_are_contiguous_and_fill_every_rank():
     assert token_balanced_cuts([4, 4], 1) == [0, 2]
 
 
-def test_two_ranks_make_the_update_of_one(tiny_model_dir, tmp_path):
-    """Every correction: the loss and weights after one step on the same batch, 2 ranks
-    (2 processes, gloo) against 1; and the 2 ranks' weights equal bit for bit."""
+def _ranks_main(rank: int, ports: tuple[int, int], model_dir: str, groups_path: str, state_path: str, out: str) -> None:
+    """One rank's process, for both tests below: the step of every case in one group, then the
+    restore in another. Starting a process (torch, the model) is most of what a rank costs."""
+    _rank_main(rank, 2, ports[0], model_dir, groups_path, out)
+    _restore_main(rank, ports[1], model_dir, state_path, f"{out}-restored")
+
+
+@pytest.fixture(scope="module")
+def ranks(tiny_model_dir, tmp_path_factory) -> dict:
+    """Two rank processes (spawned, gloo), started once for the module: what each returned for
+    the update cases and for the restore, with the batch and the checkpoint they were given."""
+    tmp = tmp_path_factory.mktemp("ranks")
     groups = _groups(tiny_model_dir)
-    path = tmp_path / "groups.pkl"
-    path.write_bytes(pickle.dumps(groups))
-    out = str(tmp_path / "got")
+    trained = TorchTrainBackend(tiny_model_dir, LearnSpec(minibatches=1), threads=1)
+    asyncio.run(trained.train_step(Batch(copy.deepcopy(groups)), 0))
+    state = trained.state_dict()
+    (tmp / "groups.pkl").write_bytes(pickle.dumps(groups))
+    (tmp / "state.pkl").write_bytes(pickle.dumps(state))
+    out = str(tmp / "got")
     ctx = torch.multiprocessing.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, str(tiny_model_dir), str(path), out)) for r in range(2)]
+    ports = (_free_port(), _free_port())
+    args = (ports, str(tiny_model_dir), str(tmp / "groups.pkl"), str(tmp / "state.pkl"), out)
+    procs = [ctx.Process(target=_ranks_main, args=(r, *args)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=120)
-    assert [p.exitcode for p in procs] == [0, 0]
-    two = [pickle.loads(open(f"{out}.{r}", "rb").read()) for r in range(2)]
+        p.join(timeout=240)
+    exits = [p.exitcode for p in procs]
+
+    def read(path: str) -> list:
+        return [pickle.loads(open(f"{path}.{r}", "rb").read()) for r in range(2)] if exits == [0, 0] else []
+
+    return {"groups": groups, "state": state, "exits": exits, "two": read(out), "restored": read(f"{out}-restored")}
+
+
+def test_two_ranks_make_the_update_of_one(tiny_model_dir, ranks):
+    """Every correction: the loss and weights after one step on the same batch, 2 ranks
+    (2 processes, gloo) against 1; and the 2 ranks' weights equal bit for bit."""
+    groups = ranks["groups"]
+    assert ranks["exits"] == [0, 0]
+    two = ranks["two"]
+    start = TorchTrainBackend(tiny_model_dir, LearnSpec(), threads=1).weights()  # the untrained model's
     for i, (correction, k) in enumerate(CASES):
         one = TorchTrainBackend(tiny_model_dir, LearnSpec(correction=correction, minibatches=k), threads=1)
         loss1, w1, info1 = _step(one, groups)
@@ -124,29 +150,15 @@ def test_two_ranks_make_the_update_of_one(tiny_model_dir, tmp_path):
         assert masked_a == pytest.approx(info1["masked_frac"], abs=1e-9), case
         assert trunc_a == pytest.approx(info1["is_truncated_frac"], abs=1e-9), case
         # The step moved the weights: the comparison is not of two untouched models.
-        start = TorchTrainBackend(tiny_model_dir, LearnSpec(), threads=1).weights()
         assert max(float(np.abs(w1[n] - start[n]).max()) for n in w1) > 1e-4, case
 
 
-def test_a_rank_receives_rank_zeros_weights_and_optimizer_state(tiny_model_dir, tmp_path):
+def test_a_rank_receives_rank_zeros_weights_and_optimizer_state(ranks):
     """Restore: rank 0 loads the checkpoint's tensors, the others receive them (a collective)."""
-    groups = _groups(tiny_model_dir)
-    trained = TorchTrainBackend(tiny_model_dir, LearnSpec(minibatches=1), threads=1)
-    asyncio.run(trained.train_step(Batch(copy.deepcopy(groups)), 0))
-    state = trained.state_dict()
-    path = tmp_path / "state.pkl"
-    path.write_bytes(pickle.dumps(state))
-    ctx = torch.multiprocessing.get_context("spawn")
-    port = _free_port()
-    out = str(tmp_path / "got")
-    procs = [ctx.Process(target=_restore_main, args=(r, port, str(tiny_model_dir), str(path), out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    assert [p.exitcode for p in procs] == [0, 0]
+    state = ranks["state"]
+    assert ranks["exits"] == [0, 0]
     for r in range(2):
-        got = pickle.loads(open(f"{out}.{r}", "rb").read())
+        got = ranks["restored"][r]
         for part in ("weights", "optimizer"):
             assert got[part].keys() == state[part].keys()
             for k, v in state[part].items():
@@ -184,6 +196,7 @@ def test_trainer_ranks_that_do_not_fit_are_refused_by_name(tiny_model_dir):
     assert with_changes(sc, {"runtime": "ray", "ray.trainer_ranks": 2, "resources.trainer_gpus": 2}).ray.trainer_ranks == 2
 
 
+@pytest.mark.runtime
 def test_ray_run_with_two_trainer_ranks_loses_nothing_through_a_trainer_kill(ray_session, tiny_model_dir):
     """real-cpu-torch on the ray runtime, scaled down, the trainer 2 ranks (half a CPU each,
     so that engine and ranks fit the session's 2). Rank 0 is killed after step 2: Ray

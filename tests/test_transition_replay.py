@@ -275,6 +275,7 @@ def test_replay_refuses_a_min_size_it_cannot_serve():
         replay(limiter=RateLimiter(1.0, 16, 16.0, 4, 4))
 
 
+@pytest.mark.runtime
 def test_the_replay_as_a_ray_actor_paces_a_fast_learner(ray_session):
     """The same class, ``ray.remote``-wrapped: an async actor whose waiting sample call does not
     stop inserts from other callers (were it a threaded or plain actor, the first waiting sample

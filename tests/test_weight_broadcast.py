@@ -236,6 +236,7 @@ def _greedy(engine, n_tokens=24):
     return g
 
 
+@pytest.mark.runtime
 def test_vllm_takes_a_broadcast_bit_for_bit_with_no_file(tiny_model_dir, monkeypatch):
     """vLLM repacks its linear weights on CPU, so what can be compared bit for bit is what the
     worker received (per tensor, against the trainer's) and the parameters it keeps as they are
