@@ -16,7 +16,7 @@ import numpy as np
 
 from core.model.config import LearnSpec
 from core.model.result import RunResult
-from core.sim.bound import Bound, pipeline_bound, trained_lengths
+from core.sim.bound import Bound, pipeline_bound, step_draws, trained_lengths
 from core.sim.costs import matmul_params
 from core.sim.workload import Workload
 
@@ -46,8 +46,8 @@ def bounds(result: RunResult) -> tuple[Bound, Bound] | None:
     lengths = trained_lengths(sc, [*(pid for pid, _, _ in led.trained_log), *led.overwritten_ids])
     if lengths is None:
         return planned, planned
-    draw = ((led.prompt_tokens + led.response_tokens) / led.trainings, led.tokens_sq / led.trainings)
-    return pipeline_bound(sc, result.mode, lengths, draw), planned
+    draws = step_draws(sc, [pid for pid, _, _ in led.trained_log]) if sc.replay.enabled else None
+    return pipeline_bound(sc, result.mode, lengths, draws), planned
 
 
 def _length_bias(result: RunResult) -> float | None:
