@@ -43,10 +43,11 @@ def bounds(result: RunResult) -> tuple[Bound, Bound] | None:
         return None
     led = result.ledger
     planned = pipeline_bound(sc, result.mode)
-    lengths = trained_lengths(sc, [*(pid for pid, _, _ in led.trained_log), *led.overwritten_ids])
+    trained = [pid for pid, _, _ in led.trained_log]
+    lengths = trained_lengths(sc, [*trained, *led.overwritten_ids])
     if lengths is None:
         return planned, planned
-    draws = step_draws(sc, [pid for pid, _, _ in led.trained_log]) if sc.replay.enabled else None
+    draws = step_draws(sc, trained) if sc.replay.enabled else None
     return pipeline_bound(sc, result.mode, lengths, draws), planned
 
 

@@ -242,6 +242,7 @@ def _budget_paced_run(sc: Scenario, lengths: np.ndarray, reach: np.ndarray, deco
     engines_free = 0.0  # new groups start behind the re-prefill of resumed ones
     version = 0
     busy = 0.0
+    mean_draw = draws.mean(axis=0) if draws is not None and len(draws) else None
     for step in range(sc.trainer.steps):
         limit = min(plan, math.floor((version + 1 + lead) * window_groups + 1e-9) + warm_up)
         while admitted < limit:
@@ -257,8 +258,7 @@ def _budget_paced_run(sc: Scenario, lengths: np.ndarray, reach: np.ndarray, deco
         elif draws is not None and step < len(draws):  # the run's own draw for this step
             dt = train.step_s(float(draws[step, 0]), float(draws[step, 1]))
         elif draws is not None:  # past the steps the run trained: their mean
-            mean = draws.mean(axis=0)
-            dt = train.step_s(float(mean[0]), float(mean[1]))
+            dt = train.step_s(float(mean_draw[0]), float(mean_draw[1]))
         else:  # the step trains a draw from the ring: priced at the ring's mean group
             ring.extend(idx)
             dt = train.step_s(trained_groups * float(tokens[ring].mean()), trained_groups * float(tokens_sq[ring].mean()))
