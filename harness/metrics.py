@@ -47,8 +47,11 @@ def bounds(result: RunResult) -> tuple[Bound, Bound] | None:
     lengths = trained_lengths(sc, [*trained, *led.overwritten_ids])
     if lengths is None:
         return planned, planned
-    draws = step_draws(sc, trained) if sc.replay.enabled else None
-    return pipeline_bound(sc, result.mode, lengths, draws), planned
+    if sc.replay.enabled:
+        return pipeline_bound(sc, result.mode, lengths, draws=step_draws(sc, trained)), planned
+    # Without replay each group is trained once: the rows of ``lengths`` (prompt order), as trained.
+    order = np.searchsorted(np.unique(np.asarray(trained, dtype=np.int64)), trained)
+    return pipeline_bound(sc, result.mode, lengths, order=order), planned
 
 
 def _length_bias(result: RunResult) -> float | None:
