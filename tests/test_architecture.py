@@ -17,9 +17,10 @@ ALLOWED = {
     "core.store": {"core.model", "ext"},
     "core.sim": {"core.api", "core.model"},
     "core.real": {"core.api", "core.model"},
+    "core.agent": {"core.api", "core.model"},
     "core.pipeline": {"core.api", "core.model", "core.store", "ext"},
     "core.env": {"core.api", "core.model", "core.store", "core.pipeline", "ext"},
-    "core.runtimes": {"core.api", "core.model", "core.store", "core.pipeline", "core.sim", "core.real", "core.env", "ext"},
+    "core.runtimes": {"core.api", "core.model", "core.store", "core.pipeline", "core.sim", "core.real", "core.agent", "core.env", "ext"},
     "harness": {"core", "ext"},
 }
 # The one loop the design keeps (the pickle hook of a Sample goes through its wire form), and

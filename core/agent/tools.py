@@ -1,0 +1,198 @@
+"""The tools an agent loop calls, and the record of what each call returned.
+
+``ToolBox.answer`` runs a turn's calls concurrently and off the rollout's event loop: a plain
+function in a guarded daemon thread (core/model/user_code.py), an ``async`` one on the box's
+own event loop thread; each within its tool's ``timeout_s``. Whatever a call does (raise, hang,
+return something that is not text or is too long, be malformed, name no tool, pass arguments
+the function does not take) ends as an error response the model reads, counted by kind in
+``counts``; the episode and the run go on.
+
+Every result is recorded under its call's id before it is handed back. A call whose id is in
+the record is answered from it and never made again: not after a partial-rollout abort, a
+sync, a worker restart or a resume (``state``/``restore`` carry the record in a checkpoint).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional
+
+from core.agent.calculator import calculate
+from core.agent.lookup import Lookup
+from core.agent.tool_call import MalformedCall, Parsed
+from core.model.tool_spec import ToolSpec, check_tool_fn
+from core.model.user_code import UserCodeError, run_guarded, what_it_raised
+
+MAX_OUTPUT_CHARS = 4096
+ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout", "not_text", "too_long")
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """What one call returned: ``content`` is what the model reads; ``error`` the kind of failure
+    (one of ``ERROR_KINDS``) or None."""
+
+    id: str
+    name: str
+    content: str
+    error: Optional[str] = None
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call by ``name``, with the keyword arguments it gives."""
+
+    name: str
+    fn: Callable[..., Any]
+    timeout_s: float
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.fn)
+
+
+class _ToolLoop:
+    """An event loop in a daemon thread of its own, for ``async`` tools: one that blocks never
+    blocks the rollout's loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="asyncrl-tools", daemon=True).start()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+class ToolBox:
+    """The tools of a run, and the record of every call made."""
+
+    def __init__(self, tools: list[Tool], max_output_chars: int = MAX_OUTPUT_CHARS) -> None:
+        names = [t.name for t in tools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tool names must be distinct: {names}")
+        self.tools = {t.name: t for t in tools}
+        self.max_output_chars = max_output_chars
+        self.record: dict[str, ToolResult] = {}
+        self.counts: Counter = Counter()  # calls, executed, replayed, error/<kind>
+        self.seconds = 0.0  # wall time of the calls executed
+        self._loop: Optional[_ToolLoop] = None
+
+    async def answer(self, calls: list[Parsed]) -> list[ToolResult]:
+        """Each call's result, in the order of ``calls``."""
+        return list(await asyncio.gather(*(self._one(c) for c in calls)))
+
+    async def _one(self, call: Parsed) -> ToolResult:
+        self.counts["calls"] += 1
+        done = self.record.get(call.id)
+        if done is not None:
+            self.counts["replayed"] += 1
+            return done
+        t0 = time.monotonic()
+        result = await self._run(call)
+        result = ToolResult(result.id, result.name, result.content, result.error, time.monotonic() - t0)
+        self.seconds += result.seconds
+        if result.error is not None:
+            self.counts[f"error/{result.error}"] += 1
+        self.record[call.id] = result
+        return result
+
+    async def _run(self, call: Parsed) -> ToolResult:
+        if isinstance(call, MalformedCall):
+            return _error(call.id, "", "malformed", f"not a tool call: {call.reason}")
+        tool = self.tools.get(call.name)
+        if tool is None:
+            known = ", ".join(sorted(self.tools)) or "none"
+            return _error(call.id, call.name, "unknown_tool", f"no tool named {call.name!r} (tools: {known})")
+        try:
+            inspect.signature(tool.fn).bind(**call.arguments)
+        except TypeError as exc:
+            return _error(call.id, call.name, "bad_arguments", f"bad arguments: {exc}")
+        self.counts["executed"] += 1
+        try:
+            value = await (self._run_async(tool, call.arguments) if tool.is_async else self._run_sync(tool, call.arguments))
+        except asyncio.TimeoutError:
+            return _error(call.id, call.name, "timeout", f"no answer within {tool.timeout_s:g} s")
+        except UserCodeError as exc:
+            kind = "timeout" if exc.did.startswith("did not return") else "raised"
+            shown = f"no answer within {tool.timeout_s:g} s" if kind == "timeout" else exc.did.removeprefix("raised ")
+            return _error(call.id, call.name, kind, shown)
+        if not isinstance(value, str):
+            return _error(call.id, call.name, "not_text", f"returned {type(value).__name__}, not text")
+        if len(value) > self.max_output_chars:
+            return _error(call.id, call.name, "too_long", f"returned {len(value)} characters, more than {self.max_output_chars}")
+        return ToolResult(call.id, call.name, value)
+
+    async def _run_sync(self, tool: Tool, args: dict) -> Any:
+        # The guard's daemon thread holds a call that never returns; this thread returns at the timeout.
+        return await asyncio.to_thread(
+            run_guarded, tool.fn, (), args, timeout_s=tool.timeout_s, key="tools", name=tool.name,
+            doing="answering a call", fix="",
+        )
+
+    async def _run_async(self, tool: Tool, args: dict) -> Any:
+        if self._loop is None:
+            self._loop = _ToolLoop()
+        future = asyncio.run_coroutine_threadsafe(_raising_as_itself(tool.fn, args), self._loop.loop)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), tool.timeout_s)
+        except asyncio.TimeoutError:
+            future.cancel()
+            raise
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
+
+    def state(self) -> dict:
+        """The record and the counts, for a checkpoint."""
+        return {"record": [asdict(r) for r in self.record.values()], "counts": dict(self.counts), "seconds": self.seconds}
+
+    def restore(self, state: dict) -> None:
+        self.record = {r["id"]: ToolResult(**r) for r in state["record"]}
+        self.counts = Counter(state["counts"])
+        self.seconds = state["seconds"]
+
+
+async def _raising_as_itself(fn: Callable[..., Any], args: dict) -> Any:
+    try:
+        return await fn(**args)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:  # a user's tool: whatever it raised becomes its error response
+        raise UserCodeError("tools", getattr(fn, "__name__", "tool"), "answering a call", what_it_raised(exc), "") from None
+
+
+def _error(cid: str, name: str, kind: str, reason: str) -> ToolResult:
+    return ToolResult(cid, name, f"error: {reason}", kind)
+
+
+def build_tools(specs: tuple[ToolSpec, ...] | list[ToolSpec]) -> list[Tool]:
+    """The tools ``specs`` (``ToolSpec``, checked) name: built-ins made, users' functions imported."""
+    tools = []
+    for spec in specs:
+        if spec.fn is not None:
+            fn = check_tool_fn(spec.fn, spec.timeout_s)
+        elif spec.name == "calculator":
+            fn = _calculator
+        else:
+            fn = _lookup(Lookup(spec.data))
+        tools.append(Tool(spec.name, fn, spec.timeout_s))
+    return tools
+
+
+def _calculator(expression: str) -> str:
+    return calculate(expression)
+
+
+def _lookup(table: Callable[[str], str]) -> Callable[..., str]:
+    def lookup(query: str) -> str:
+        return table(query)
+
+    return lookup

@@ -1,0 +1,47 @@
+"""Users' tools for tests/test_agent_tools.py: one that works, and one for each way a tool fails."""
+
+import asyncio
+import time
+
+NOT_A_FUNCTION = 3
+COUNTED: dict = {}
+
+
+def echo(text: str) -> str:
+    return f"{text}:1"
+
+
+def counted(key: str) -> str:
+    COUNTED[key] = COUNTED.get(key, 0) + 1
+    return f"{key} seen"
+
+
+def raises() -> str:
+    raise ValueError("the tool broke")
+
+
+def hangs() -> str:
+    time.sleep(3600)
+    return "never"
+
+
+async def async_hangs() -> str:
+    await asyncio.sleep(3600)
+    return "never"
+
+
+def returns_nan() -> float:
+    return float("nan")
+
+
+def huge() -> str:
+    return "x" * 10_000
+
+
+async def async_blocks_its_loop() -> str:
+    time.sleep(0.3)  # a blocking call inside an async tool: its own loop stalls, not the caller's
+    return "done"
+
+
+def positional_only(x, /) -> str:
+    return str(x)
