@@ -17,10 +17,11 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from core.agent.calculator import CalculatorError, calculate, render
-from core.agent.lookup import Lookup, LookupFileError
+from core.agent.lookup import Lookup
 from core.agent.tool_call import MalformedCall, ToolCall, parse_calls, response_text
 from core.agent.tools import ToolBox, Tool, build_tools
 from core.model.config import ConfigError
+from core.model.lookup_file import LookupFileError
 from core.model.tool_spec import ToolSpec
 
 # -- the call format ---------------------------------------------------------------------------
@@ -136,8 +137,19 @@ def test_a_lookup_table_that_is_not_one_is_refused_naming_the_line(tmp_path, con
     path.write_text(content)
     with pytest.raises(LookupFileError, match=reason):
         Lookup(path)
-    with pytest.raises(LookupFileError, match="is not a file"):
-        Lookup(tmp_path / "missing.jsonl")
+    # Checked before the run, with the dotted key: a scenario naming the table fails there.
+    with pytest.raises(ValidationError, match=f"tools.data.*{reason}"):
+        ToolSpec(name="lookup", data=str(path))
+
+
+def test_a_lookup_table_that_is_no_regular_file_is_refused_without_waiting(tmp_path):
+    import os
+
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)  # opened for reading, a FIFO waits for a writer: the reader must not
+    for path in (tmp_path / "missing.jsonl", fifo, tmp_path):
+        with pytest.raises(LookupFileError):
+            Lookup(path)
 
 
 # -- tool specs, checked before a run -----------------------------------------------------------------
@@ -147,6 +159,7 @@ def test_a_lookup_table_that_is_not_one_is_refused_naming_the_line(tmp_path, con
     ({"name": "search"}, "tools.name", "no built-in tool of that name"),
     ({"name": "2fast"}, "tools.name", "not a tool name"),
     ({"name": "lookup"}, "tools.data", "needs its table"),
+    ({"name": "lookup", "data": "/nonexistent/table.jsonl"}, "tools.data", "fix:"),
     ({"name": "t", "fn": "tests.no_such_module:f"}, "tools.fn", "no module 'tests.no_such_module'"),
     ({"name": "t", "fn": "tests.agent_tools_user:positional_only"}, "tools.fn", "by position only"),
     ({"name": "t", "fn": "tests.agent_tools_user:NOT_A_FUNCTION"}, "tools.fn", "not a function"),

@@ -16,10 +16,11 @@ answers it with an error response and the episode goes on.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Union
+
+from core.model.bounded_parse import loads_json
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
@@ -68,8 +69,8 @@ def _call(cid: str, body: str) -> Parsed:
     if len(body) > MAX_CALL_CHARS:
         return MalformedCall(cid, body[:200], f"a call longer than {MAX_CALL_CHARS} characters")
     try:
-        obj = json.loads(body)
-    except (ValueError, RecursionError) as exc:
+        obj = loads_json(body)
+    except ValueError as exc:  # not JSON, or nested deeper than a call's arguments need
         return MalformedCall(cid, body[:200], f"not JSON ({str(exc).splitlines()[0][:80]})")
     if not isinstance(obj, dict):
         return MalformedCall(cid, body[:200], "not a JSON object")

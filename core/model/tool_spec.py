@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import inspect
 import re
-from pathlib import Path
 from typing import Optional
 
 from pydantic import Field, model_validator
 
 from core.model.config import ConfigError, _Frozen
+from core.model.lookup_file import LookupFileError, read_lookup
 from core.model.user_code import UserCodeError, import_function
 
 BUILTIN_TOOLS = ("calculator", "lookup")  # core/agent/calculator.py, core/agent/lookup.py
@@ -41,8 +41,13 @@ class ToolSpec(_Frozen):
             if self.name not in BUILTIN_TOOLS:
                 raise ConfigError("tools.name", self.name, "no built-in tool of that name and no fn",
                                   f"name a built-in ({', '.join(BUILTIN_TOOLS)}) or give fn: module:function")
-            if self.name == "lookup" and (self.data is None or not Path(self.data).is_file()):
-                raise ConfigError("tools.data", self.data, "the lookup tool needs its table", "give data: a JSONL file of key/value lines")
+            if self.name == "lookup":
+                if self.data is None:
+                    raise ConfigError("tools.data", self.data, "the lookup tool needs its table", "give data: a JSONL file of key/value lines")
+                try:
+                    read_lookup(self.data)
+                except LookupFileError as exc:
+                    raise ConfigError("tools.data", self.data, exc.problem, exc.fix) from None
         else:
             try:
                 check_tool_fn(self.fn, self.timeout_s)
