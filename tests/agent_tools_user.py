@@ -45,3 +45,8 @@ async def async_blocks_its_loop() -> str:
 
 def positional_only(x, /) -> str:
     return str(x)
+
+
+async def async_raises() -> str:
+    await asyncio.sleep(0)
+    raise RuntimeError("the async tool broke")

@@ -245,6 +245,11 @@ def test_an_async_tool_runs_off_the_callers_loop():
     r, ticks = asyncio.run(both())
     assert r.content == "done" and ticks >= 10  # the caller's loop went on while the tool blocked its own
     box.close()
+    # What an async tool raises is told as a plain one's is.
+    failing = _box(Tool("async_raises", user.async_raises, 5.0))
+    (r,) = _run(failing, _call("async_raises"))
+    assert (r.error, r.content) == ("raised", "error: RuntimeError: the async tool broke")
+    failing.close()
 
 
 def test_a_recorded_call_is_never_made_again_even_after_a_restore():

@@ -138,7 +138,7 @@ class ToolBox:
     async def _run_async(self, tool: Tool, args: dict) -> Any:
         if self._loop is None:
             self._loop = _ToolLoop()
-        future = asyncio.run_coroutine_threadsafe(_raising_as_itself(tool.fn, args), self._loop.loop)
+        future = asyncio.run_coroutine_threadsafe(_raising_as_itself(tool, args), self._loop.loop)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), tool.timeout_s)
         except asyncio.TimeoutError:
@@ -160,13 +160,14 @@ class ToolBox:
         self.seconds = state["seconds"]
 
 
-async def _raising_as_itself(fn: Callable[..., Any], args: dict) -> Any:
+async def _raising_as_itself(tool: Tool, args: dict) -> Any:
+    """An async tool's call, whatever it raises told as a sync one's is (by the guard)."""
     try:
-        return await fn(**args)
+        return await tool.fn(**args)
     except asyncio.CancelledError:
         raise
     except BaseException as exc:  # a user's tool: whatever it raised becomes its error response
-        raise UserCodeError("tools", getattr(fn, "__name__", "tool"), "answering a call", what_it_raised(exc), "") from None
+        raise UserCodeError("tools", tool.name, "answering a call", what_it_raised(exc), "") from None
 
 
 def _error(cid: str, name: str, kind: str, reason: str) -> ToolResult:
