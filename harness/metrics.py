@@ -16,7 +16,7 @@ import numpy as np
 
 from core.model.config import LearnSpec
 from core.model.result import RunResult
-from core.sim.bound import Bound, pipeline_bound, step_draws, trained_lengths
+from core.sim.bound import Bound, pipeline_bound, step_draws, trained_lengths, trained_order
 from core.sim.costs import matmul_params
 from core.sim.workload import Workload
 
@@ -49,9 +49,7 @@ def bounds(result: RunResult) -> tuple[Bound, Bound] | None:
         return planned, planned
     if sc.replay.enabled:
         return pipeline_bound(sc, result.mode, lengths, draws=step_draws(sc, trained)), planned
-    # Without replay each group is trained once: the rows of ``lengths`` (prompt order), as trained.
-    order = np.searchsorted(np.unique(np.asarray(trained, dtype=np.int64)), trained)
-    return pipeline_bound(sc, result.mode, lengths, order=order), planned
+    return pipeline_bound(sc, result.mode, lengths, order=trained_order(trained)), planned
 
 
 def _length_bias(result: RunResult) -> float | None:

@@ -19,7 +19,7 @@ import inspect
 import threading
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Optional
 
 from core.agent.calculator import calculate
@@ -94,8 +94,7 @@ class ToolBox:
             self.counts["replayed"] += 1
             return done
         t0 = time.monotonic()
-        result = await self._run(call)
-        result = ToolResult(result.id, result.name, result.content, result.error, time.monotonic() - t0)
+        result = replace(await self._run(call), seconds=time.monotonic() - t0)
         self.seconds += result.seconds
         if result.error is not None:
             self.counts[f"error/{result.error}"] += 1
@@ -119,9 +118,9 @@ class ToolBox:
         except asyncio.TimeoutError:
             return _error(call.id, call.name, "timeout", f"no answer within {tool.timeout_s:g} s")
         except UserCodeError as exc:
-            kind = "timeout" if exc.did.startswith("did not return") else "raised"
-            shown = f"no answer within {tool.timeout_s:g} s" if kind == "timeout" else exc.did.removeprefix("raised ")
-            return _error(call.id, call.name, kind, shown)
+            if exc.timed_out:
+                return _error(call.id, call.name, "timeout", f"no answer within {tool.timeout_s:g} s")
+            return _error(call.id, call.name, "raised", exc.did.removeprefix("raised "))
         if not isinstance(value, str):
             return _error(call.id, call.name, "not_text", f"returned {type(value).__name__}, not text")
         if len(value) > self.max_output_chars:
@@ -181,19 +180,8 @@ def build_tools(specs: tuple[ToolSpec, ...] | list[ToolSpec]) -> list[Tool]:
         if spec.fn is not None:
             fn = check_tool_fn(spec.fn, spec.timeout_s)
         elif spec.name == "calculator":
-            fn = _calculator
+            fn = calculate  # calculate(expression)
         else:
-            fn = _lookup(Lookup(spec.data))
+            fn = Lookup(spec.data)  # a table, called as lookup(query)
         tools.append(Tool(spec.name, fn, spec.timeout_s))
     return tools
-
-
-def _calculator(expression: str) -> str:
-    return calculate(expression)
-
-
-def _lookup(table: Callable[[str], str]) -> Callable[..., str]:
-    def lookup(query: str) -> str:
-        return table(query)
-
-    return lookup

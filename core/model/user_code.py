@@ -19,6 +19,7 @@ import threading
 from typing import Any, Callable, Optional
 
 MAX_STUCK = 8  # abandoned threads a process keeps before a guard refuses to start another
+DID_NOT_RETURN = "did not return within"  # what a call the guard gave up on did
 
 
 class UserCodeError(Exception):
@@ -38,6 +39,11 @@ class UserCodeError(Exception):
     def doing_instead(self, doing: str) -> "UserCodeError":
         """The same failure, told as what the caller knows it was doing (which sample)."""
         return UserCodeError(self.key, self.name, doing, self.did, self.fix)
+
+    @property
+    def timed_out(self) -> bool:
+        """Whether the guard gave up waiting (rather than the code failing)."""
+        return self.did.startswith(DID_NOT_RETURN)
 
     def plain(self) -> "UserCodeError":
         """This error as itself: Ray raises it wrapped in a class of its own whose message is a
@@ -107,7 +113,7 @@ def run_guarded(fn: Callable[..., Any], args: tuple = (), kwargs: Optional[dict]
     if not job.done.wait(timeout_s):
         with _lock:
             _stuck += 1  # the worker stays with its job; a later call gets another
-        raise UserCodeError(key, name, doing, f"did not return within {timeout_s:g} s", fix)
+        raise UserCodeError(key, name, doing, f"{DID_NOT_RETURN} {timeout_s:g} s", fix)
     with _lock:
         _idle.append(worker)
     if job.error is not None:

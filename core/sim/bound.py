@@ -112,6 +112,13 @@ def trained_lengths(sc: Scenario, prompt_ids) -> np.ndarray | None:
     return Workload(sc.workload, sc.seed).sample_lengths(int(ids[-1]) + 1)[ids]
 
 
+def trained_order(prompt_ids: list[int]) -> np.ndarray:
+    """The rows of ``trained_lengths(sc, prompt_ids)`` in the order ``prompt_ids`` were trained
+    (each group once: a run without replay)."""
+    ids = np.asarray(prompt_ids, dtype=np.int64)
+    return np.searchsorted(np.unique(ids), ids)
+
+
 def step_draws(sc: Scenario, prompt_ids: list[int]) -> np.ndarray:
     """(prompt + response) tokens and their squares that each trainer step trained, one row
     a step: ``prompt_ids`` are the groups in the order trained (a replayed group again each
@@ -174,9 +181,10 @@ def pipeline_bound(
     else:
         cohort = max(1, min(sc.rollout.max_num_seqs, math.ceil(window / place.engines)))
         reach = _cohort_clock(np.sort(lengths.ravel()), cohort, decode, p)
+        whole = lengths.astype(np.int64)
         played = [
             _budget_paced_run(
-                sc, lengths.astype(np.int64), reach, decode, place.engines, train, transfer, lead,
+                sc, whole, reach, decode, place.engines, train, transfer, lead,
                 pause=PAUSE_IN_BOUND.get(mode), draws=draws, order=taken,
             )
             for taken in ([None] if order is None or sc.replay.enabled else [None, order])
