@@ -150,6 +150,39 @@ def test_a_restarted_receiver_asked_into_the_old_group_breaks_the_sync_at_once()
         source.close()
 
 
+def test_a_member_lost_after_checking_in_breaks_the_sync_instead_of_holding_the_trainer():
+    """A member that passed the manifest check and died before connecting (its node lost at that
+    moment): gloo's rendezvous would wait for it with no end. Once every member's call is over
+    (the rollout side saw it lost) the source gives the group up, and the next sync, to a new
+    process, forms a new one."""
+    trainer = _params(1)
+    source = BroadcastSource("127.0.0.1", bucket_bytes=4096, timeout_s=60)
+    manifest = manifest_of(trainer.items())
+    try:
+        ticket = source.ticket(1).addressed(["e0"], regroup=True)
+        lost = threading.Event()
+
+        def checks_in_and_dies():
+            roll = RollCall("e0", 20)
+            m, join = roll.answer(ticket)
+            assert join
+            roll._store.set(f"{m.prefix}check/{m.rank}", "ok")  # then its process is gone
+            time.sleep(0.5)
+            lost.set()  # the rollout side's call to it ended: lost
+
+        dying = threading.Thread(target=checks_in_and_dies)
+        t0 = time.monotonic()
+        dying.start()
+        with pytest.raises(CollectiveBroken, match="left while the group formed"):
+            source.send(ticket, lambda: trainer, manifest, lost)
+        dying.join(10)
+        assert time.monotonic() - t0 < 10  # not gloo's timeout, not the source's 60 s
+        st, errors = _sync(source, [("e0", RollCall("e0", 20), {}, _params(2))], trainer, manifest, version=2)
+        assert not errors and st.regrouped and st.bytes == sum(s.nbytes for s in manifest)
+    finally:
+        source.close()
+
+
 def test_a_manifest_mismatch_is_one_error_naming_the_tensor():
     trainer = _params(1)
     source = BroadcastSource("127.0.0.1", bucket_bytes=4096, timeout_s=20)

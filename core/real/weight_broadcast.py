@@ -58,7 +58,7 @@ def broken_as_collective(who: str) -> Iterator[None]:
     mismatch is not one: it would fail again."""
     try:
         yield
-    except ManifestMismatch:
+    except (ManifestMismatch, CollectiveBroken):
         raise
     except (RuntimeError, TimeoutError) as exc:
         raise CollectiveBroken(who, f"{type(exc).__name__}: {exc}") from exc
@@ -231,6 +231,46 @@ class Communicator:
         self.pg = None
 
 
+def formed(make: Callable[[], Communicator], answered: threading.Event, timeout_s: float, members: tuple[str, ...]) -> Communicator:
+    """``make()``, the source's side of a new group, given up on once every member's call is
+    over without it (``CollectiveBroken``) or after ``timeout_s``. gloo's rendezvous waits with
+    no end for a member that checked in and died before connecting (seen: a node lost at that
+    moment held the trainer for ten minutes, past gloo's own timeout), so it runs in a thread
+    of its own; a group that thread makes after it was given up on is closed."""
+    lock = threading.Lock()
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            made = make()
+        except BaseException as exc:  # handed to the waiting thread
+            made, box["error"] = None, exc
+        with lock:
+            if box.get("abandoned"):
+                if made is not None:
+                    made.close()
+                return
+            box["group"] = made
+        done.set()
+
+    threading.Thread(target=run, name="broadcast-group", daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not done.wait(POLL_S * 25):
+        over = answered.is_set()
+        if over or time.monotonic() > deadline:
+            with lock:
+                if done.is_set():
+                    break
+                box["abandoned"] = True
+            if over:
+                raise CollectiveBroken("trainer", f"a member of {', '.join(members)} left while the group formed")
+            raise TimeoutError(f"weight broadcast: members {', '.join(members)} did not connect within {timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["group"]
+
+
 @dataclass(frozen=True)
 class BroadcastTicket(CollectiveTicket):
     """What ParamSync hands the rollout side for one collective sync. The rollout side fills in
@@ -369,7 +409,9 @@ class BroadcastSource:
         errors = [e for e in errors if e != "ok"]
         if errors:
             raise ManifestMismatch("; ".join(errors))
-        self.group = Communicator(self.store, prefix, 0, world, self.device, self.timeout_s)
+        # On a connection of its own: a rendezvous given up on must not hold the source's store.
+        own = _store(self.host, self.port, False, self.timeout_s)
+        self.group = formed(lambda: Communicator(own, prefix, 0, world, self.device, self.timeout_s), answered, self.timeout_s, members)
         self.members, self.prefix = members, prefix
         log.info("weight broadcast: group %s of %d ranks (%s)", prefix, world, ", ".join(members))
 
