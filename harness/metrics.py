@@ -125,7 +125,8 @@ def collect(
         "gpu_time/sync": share["sync"],
         "gpu_time/idle": share["idle"],
         "staleness/mean": led.staleness_sum / trainings if trainings else 0.0,
-        "staleness/token_mean": led.token_staleness_sum / led.response_tokens if led.response_tokens else 0.0,
+        # Per token the policy sampled: an agent episode's observation tokens have no staleness.
+        "staleness/token_mean": led.token_staleness_sum / sampled if (sampled := led.response_tokens - led.observation_tokens) else 0.0,
         "staleness/max": led.staleness_max,
         "staleness/bound": led.max_staleness,
         "partial/ratio": led.interrupted / trained if trained else 0.0,
@@ -142,6 +143,7 @@ def collect(
         "tokens/wasted_share": led.wasted_tokens / generated if generated else 0.0,
         "samples/length_bias": _length_bias(result),
         "tokens/trained_response": led.response_tokens,
+        "tokens/masked_observation": led.observation_tokens,  # of those, context from tools: loss mask 0
         "tokens/prefill": sum(e.prefill_tokens for e in engines),
         "rollout/preemptions": sum(e.preemptions for e in engines),
         "tokens/recomputed_prefill": sum(e.recomputed_tokens for e in engines),

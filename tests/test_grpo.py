@@ -198,6 +198,42 @@ def test_step_reports_staleness_per_token_of_responses_that_span_versions(model_
     assert m["token_staleness_max"] == (3 if any(len(s.response_tokens) > 1 for g in gs for s in g.samples) else 1)
 
 
+def test_what_a_tool_wrote_into_an_episode_is_context_and_never_trained(model_dir):
+    """Observation tokens (an agent episode's tool answers) are read by the model as context
+    but take no part in the loss: their behaviour log-probs change nothing, the same tokens
+    sampled by the policy would, and the step counts them apart."""
+    b = TorchTrainBackend(model_dir, LearnSpec(minibatches=1), threads=THREADS)
+    gs = _onpolicy_groups(b, model_dir, max_len=16)
+    for g in gs:
+        for s in g.samples:
+            n = len(s.response_tokens)
+            if n >= 6:  # tokens 2..4 become a tool's answer, as add_observation writes it
+                lp = s.logprobs.copy()
+                lp[2:5] = 0.0
+                s.logprobs, s.observations = lp, [[2, 3]]
+    observed = sum(s.observed for g in gs for s in g.samples)
+    assert observed > 0
+    masked = _flat(b.gradient(Batch(gs)))
+    for g in gs:
+        for s in g.samples:
+            for start, k in s.observations:
+                lp = s.logprobs.copy()
+                lp[start : start + k] = -7.0
+                s.logprobs = lp
+    assert torch.equal(_flat(b.gradient(Batch(gs))), masked)
+    kept = {id(s): s.observations for g in gs for s in g.samples}
+    for g in gs:
+        for s in g.samples:
+            s.observations = ()
+    assert not torch.allclose(_flat(b.gradient(Batch(gs))), masked)
+    for g in gs:
+        for s in g.samples:
+            s.observations = kept[id(s)]
+    m = asyncio.run(b.train_step(Batch(gs), 0))
+    total = sum(len(s.response_tokens) for g in gs for s in g.samples)
+    assert m["observation_tokens"] == observed and m["response_tokens"] == total - observed
+
+
 def test_is_weight_truncated_at_cap(model_dir):
     cap = 1.5
     b = TorchTrainBackend(model_dir, LearnSpec(is_cap=cap), threads=THREADS)

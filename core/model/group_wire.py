@@ -6,9 +6,9 @@ pickle-free layout (docs/sample-format.md) whose decoder can only ever build a G
 ``CodecError``. At protocol 5 the bytes travel as one out-of-band buffer.
 
 The record is columnar, one row per sample: fixed-size fields are arrays of length n;
-variable-length ones (response tokens and logprobs, version spans, prompt tokens) are
-concatenated with an offsets array of length n + 1. Token ids are int32 (what engines emit);
-logprobs, rewards and times stay float64 so a round trip is exact.
+variable-length ones (response tokens and logprobs, version spans, observation spans, prompt
+tokens) are concatenated with an offsets array of length n + 1. Token ids are int32 (what
+engines emit); logprobs, rewards and times stay float64 so a round trip is exact.
 """
 
 from __future__ import annotations
@@ -20,7 +20,10 @@ import numpy as np
 from core.model.sample import LOGPROB_DTYPE, TOKEN_DTYPE, Group, Sample
 from ext import codec
 
-KIND = "asyncrl.group/1"
+# /2 adds each sample's observation spans (an agent episode's tool output, never trained);
+# a /1 record (written before them: a checkpoint's queue) reads as a group without any.
+KIND = "asyncrl.group/2"
+KINDS = ("asyncrl.group/1", KIND)
 _TIMES = ("admitted_at", "started_at", "finished_at", "trained_at")
 
 
@@ -59,6 +62,8 @@ def to_record(group: Group) -> codec.Sample:
         "logprobs": _joined([s.logprobs for s in ss], LOGPROB_DTYPE),
         "span_offsets": _offsets([len(s.version_spans) for s in ss]),
         "spans": np.array([sp for s in ss for sp in s.version_spans], dtype=np.int64).reshape(-1, 2),
+        "obs_offsets": _offsets([len(s.observations) for s in ss]),
+        "obs": np.array([o for s in ss for o in s.observations], dtype=np.int64).reshape(-1, 2),
         "has_prompt": has_prompt,
         "prompt_offsets": _offsets([len(p) for p in prompt_parts]),
         "prompt_tokens": np.concatenate(prompt_parts) if prompt_parts else np.zeros(0, np.int32),
@@ -109,10 +114,10 @@ def _check_fields(rec: codec.Sample) -> None:
 def from_record(rec: codec.Sample) -> Group:
     """The group a record describes; ``CodecError`` if it is not a well-formed group record."""
     try:
-        if rec["kind"] != KIND:
+        if rec["kind"] not in KINDS:
             raise codec.CodecError(f"not a group record: kind {rec['kind']!r}, expected {KIND!r}")
         _check_fields(rec)
-        n = len(rec["uid"])
+        obs_of = _observations(rec, n := len(rec["uid"]))
         tok_off, lp_off, sp_off = rec["token_offsets"], rec["logprob_offsets"], rec["span_offsets"]
         has_prompt, pr_off = rec["has_prompt"], rec["prompt_offsets"]
         tokens, logprobs, spans, prompt_tokens = rec["tokens"], rec["logprobs"], rec["spans"], rec["prompt_tokens"]
@@ -147,7 +152,10 @@ def from_record(rec: codec.Sample) -> Group:
                 reward=float(columns[6][i]) if columns[5][i] else None,
                 finished=bool(columns[3][i]),
                 interrupts=int(columns[4][i]),
+                observations=obs_of(i),
             )
+            if s.observations and not _within(s.observations, s.n_response):
+                raise codec.CodecError(f"group record: sample {s.uid}'s observations {s.observations} leave its {s.n_response} response tokens")
             s.admitted_at, s.started_at, s.finished_at, s.trained_at = (float(x) for x in times[i])
             samples.append(s)
         return Group(
@@ -165,6 +173,27 @@ def from_record(rec: codec.Sample) -> Group:
         if isinstance(exc, codec.CodecError):
             raise
         raise codec.CodecError(f"group record: {exc}") from None
+
+
+def _observations(rec: codec.Sample, n: int):
+    """Sample ``i``'s observation spans (None: it has none), as a function of ``i``."""
+    if rec["kind"] == KINDS[0]:
+        return lambda i: None
+    off, obs = rec["obs_offsets"], rec["obs"]
+    if not isinstance(obs, np.ndarray) or obs.dtype != np.int64 or obs.ndim != 2 or obs.shape[1] != 2:
+        raise codec.CodecError(f"group record: obs must be a 2-d int64 array of (start, n) rows, got {_what(obs)}")
+    _check_offsets("obs_offsets", off, n, len(obs))
+    return lambda i: obs[off[i] : off[i + 1]].tolist() if off[i + 1] > off[i] else None
+
+
+def _within(spans: list[list[int]], n_response: int) -> bool:
+    """Spans in order, each of at least one token, none past the response."""
+    end = 0
+    for start, k in spans:
+        if start < end or k < 1:
+            return False
+        end = start + k
+    return end <= n_response
 
 
 def _check_offsets(name: str, off: np.ndarray, rows: int, total: int) -> None:

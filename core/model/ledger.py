@@ -15,6 +15,10 @@ from core.model.sample import Group
 OVERWRITTEN = "replay_overwritten"  # the drop reason of a group a replay ring overwrote untrained
 
 
+# Counts a checkpoint written before them does not hold: restored as zero.
+ADDED_SINCE = frozenset({"observation_tokens"})
+
+
 class LedgerError(RuntimeError):
     """An accounting rule was broken (a sample trained twice, or trained too stale)."""
 
@@ -46,6 +50,8 @@ class Ledger:
         self.staleness_max = 0
         self.token_staleness_sum = 0
         self.response_tokens = 0
+        # Of those, what tools or environments wrote into agent episodes: context, not trained.
+        self.observation_tokens = 0
         self.prompt_tokens = 0
         self.tokens_sq = 0  # sum over trainings of (prompt + response tokens) squared: attention's cost
         self.reward_sum = 0.0  # over trainings of samples that carry a reward (real engines)
@@ -108,7 +114,7 @@ class Ledger:
             # One pass over the samples with the sums in locals: this runs for every sample a
             # simulation trains. Integer sums do not depend on their order; the float reward
             # sum is added in the same order as ever.
-            response = prompt = sq = token_stale = 0
+            response = prompt = sq = token_stale = observed = 0
             reward_sum, rewarded = self.reward_sum, self.rewarded
             for s in g.samples:
                 if not s.finished:
@@ -120,9 +126,15 @@ class Ledger:
                 if s.reward is not None:
                     reward_sum += s.reward
                     rewarded += 1
+                if s.observations:
+                    observed += s.observed
+                    for v, k in s.sampled_spans():
+                        token_stale += (version - v) * k
+                    continue
                 for v, k in s.version_spans:
                     token_stale += (version - v) * k
             self.response_tokens += response
+            self.observation_tokens += observed
             self.prompt_tokens += prompt
             self.tokens_sq += sq
             self.token_staleness_sum += token_stale
@@ -173,7 +185,7 @@ class Ledger:
     # The trainer's side of the ledger: what a trainer restored from a checkpoint goes back to.
     TRAINED_FIELDS = (
         "trained", "trainings", "_trained_mask", "trained_log", "group_sizes", "e2e_s", "staleness_sum",
-        "staleness_max", "token_staleness_sum", "response_tokens", "prompt_tokens", "tokens_sq", "reward_sum", "rewarded",
+        "staleness_max", "token_staleness_sum", "response_tokens", "observation_tokens", "prompt_tokens", "tokens_sq", "reward_sum", "rewarded",
         "interrupted", "interrupts", "resumes", "max_response", "step_ends",
     )
 
@@ -196,6 +208,8 @@ class Ledger:
     def restore(self, state: dict, fields: tuple[str, ...] | None = None) -> None:
         """Take the counts of ``state`` (all of them, or only ``fields``)."""
         for name in fields or tuple(vars(self)):
+            if name not in state and name in ADDED_SINCE:
+                continue  # a checkpoint written before the field: it keeps its start value
             v = state[name]
             if name == "_trained_mask":
                 v = bytearray(base64.b64decode(v))

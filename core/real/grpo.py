@@ -150,6 +150,8 @@ class _Batch:
             if len(s.logprobs) != n:
                 raise ValueError(f"sample {s.uid}: {n} response tokens but {len(s.logprobs)} logprobs")
             mask[i, p - 1 : p - 1 + n] = 1.0
+            for start, k in s.observations:  # what a tool wrote is context, not trained
+                mask[i, p - 1 + start : p - 1 + start + k] = 0.0
             beh[i, p - 1 : p - 1 + n] = s.logprobs
             a[i, p - 1 : p - 1 + n] = adv[i]
         self.ids = torch.from_numpy(ids).to(device)
@@ -542,7 +544,7 @@ class TorchTrainBackend(TrainBackend):
         self.steps += 1
         rewards = [s.reward or 0.0 for g in groups for s in g.samples]
         # Versions behind the trained weights, per response token (inflight responses span several).
-        lag = [(version - v, k) for g in groups for s in g.samples for v, k in s.version_spans]
+        lag = [(version - v, k) for g in groups for s in g.samples for v, k in s.sampled_spans()]
         lag_tokens = sum(k for _, k in lag)
         ntok = max(acc["ntok"], 1.0)
         log.debug("step %d (version %d): %d tokens, %d updates, %.3f s", self.steps, version, tokens, len(norms), dt)
@@ -561,7 +563,8 @@ class TorchTrainBackend(TrainBackend):
             "grad_norm": float(np.mean(norms)) if norms else 0.0,
             "updates": len(norms),
             "tokens": tokens,
-            "response_tokens": int(acc["ntok"]),
+            "response_tokens": int(acc["ntok"]),  # trained: observation tokens are not
+            "observation_tokens": sum(s.observed for g in groups for s in g.samples),
             "flops": flops,
             "compute_s": dt,
             # For calibration (harness/calibrate.py): what the step's cost and the lengths depend on.
@@ -572,7 +575,7 @@ class TorchTrainBackend(TrainBackend):
             # under newer weights counts as theirs), so the reward is never credited to a version
             # trained on fewer samples than produced it.
             "rewards": rewards,
-            "sample_versions": [max((v for v, k in s.version_spans if k), default=g.version) for g in groups for s in g.samples],
+            "sample_versions": [max((v for v, k in s.sampled_spans() if k), default=g.version) for g in groups for s in g.samples],
             "prompt_lens": [s.n_prompt for g in groups for s in g.samples],
             "version": version,
             # Seconds of the step in collectives between the trainer's ranks (0 with one).
