@@ -246,13 +246,13 @@ def formed(make: Callable[[], Communicator], answered: threading.Event, timeout_
             made = make()
         except BaseException as exc:  # handed to the waiting thread
             made, box["error"] = None, exc
-        with lock:
+        with lock:  # done is set under the lock: the waiter either takes the group or abandons it
             if box.get("abandoned"):
                 if made is not None:
                     made.close()
                 return
             box["group"] = made
-        done.set()
+            done.set()
 
     threading.Thread(target=run, name="broadcast-group", daemon=True).start()
     deadline = time.monotonic() + timeout_s
