@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from core.model.group_wire import KINDS, decode_group, encode_group, from_record, to_record
+from core.model.group_wire import KIND_V1, decode_group, encode_group, from_record, to_record
 from core.model.ledger import Ledger
 from core.model.sample import Group, Sample
 from ext import codec
@@ -90,7 +90,7 @@ def test_a_record_of_the_first_kind_reads_as_a_group_without_observations():
     s.add_tokens(2, 0, [1, 2], [-1.0, -1.0])
     rec = to_record(Group(0, [s], version=0, admitted_at=0.0))
     arrays = {k: v for k, v in rec.arrays.items() if k not in ("obs", "obs_offsets")}
-    old = codec.Sample(arrays=arrays, meta={**rec.meta, "kind": KINDS[0]})
+    old = codec.Sample(arrays=arrays, meta={**rec.meta, "kind": KIND_V1})
     back = from_record(codec.decode(codec.encode(old)))
     assert back.samples[0].observations == () and back.samples[0].response_tokens.tolist() == [1, 2]
 

@@ -22,8 +22,8 @@ from ext import codec
 
 # /2 adds each sample's observation spans (an agent episode's tool output, never trained);
 # a /1 record (written before them: a checkpoint's queue) reads as a group without any.
-KIND = "asyncrl.group/2"
-KINDS = ("asyncrl.group/1", KIND)
+KIND_V1, KIND = "asyncrl.group/1", "asyncrl.group/2"
+KINDS = (KIND_V1, KIND)
 _TIMES = ("admitted_at", "started_at", "finished_at", "trained_at")
 
 
@@ -177,7 +177,7 @@ def from_record(rec: codec.Sample) -> Group:
 
 def _observations(rec: codec.Sample, n: int):
     """Sample ``i``'s observation spans (None: it has none), as a function of ``i``."""
-    if rec["kind"] == KINDS[0]:
+    if rec["kind"] == KIND_V1:
         return lambda i: None
     off, obs = rec["obs_offsets"], rec["obs"]
     if not isinstance(obs, np.ndarray) or obs.dtype != np.int64 or obs.ndim != 2 or obs.shape[1] != 2:

@@ -126,12 +126,9 @@ class Ledger:
                 if s.reward is not None:
                     reward_sum += s.reward
                     rewarded += 1
-                if s.observations:
+                if s.observations:  # staleness is the policy's tokens', not a tool's
                     observed += s.observed
-                    for v, k in s.sampled_spans():
-                        token_stale += (version - v) * k
-                    continue
-                for v, k in s.version_spans:
+                for v, k in s.sampled_spans() if s.observations else s.version_spans:
                     token_stale += (version - v) * k
             self.response_tokens += response
             self.observation_tokens += observed

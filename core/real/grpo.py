@@ -149,9 +149,7 @@ class _Batch:
             p, n = len(s.prompt_tokens), len(s.response_tokens)
             if len(s.logprobs) != n:
                 raise ValueError(f"sample {s.uid}: {n} response tokens but {len(s.logprobs)} logprobs")
-            mask[i, p - 1 : p - 1 + n] = 1.0
-            for start, k in s.observations:  # what a tool wrote is context, not trained
-                mask[i, p - 1 + start : p - 1 + start + k] = 0.0
+            mask[i, p - 1 : p - 1 + n] = s.loss_mask() if s.observations else 1.0  # what a tool wrote is not trained
             beh[i, p - 1 : p - 1 + n] = s.logprobs
             a[i, p - 1 : p - 1 + n] = adv[i]
         self.ids = torch.from_numpy(ids).to(device)
