@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Optional, Protocol
+from typing import Any, Callable, Literal, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -37,8 +37,10 @@ class Engine(Protocol):
     tokens_generated: int
     prefill_tokens: int
 
-    async def generate(self, group: Group, max_response_len: int) -> bool:
-        """Generate the group's unfinished responses in place; False if aborted first."""
+    async def generate(self, group: Group, max_response_len: int, stop_ids: frozenset[int] = frozenset()) -> bool:
+        """Generate the group's unfinished responses in place, each up to ``max_response_len``
+        response tokens in all; False if aborted first. A response ends at <eos>, at the cap,
+        or at a token of ``stop_ids`` (an agent's turn), which it keeps as its last token."""
 
     async def abort_all(self) -> int:
         """Interrupt every request in flight (partial tokens stay on their samples)."""
@@ -68,6 +70,29 @@ class Engine(Protocol):
 
     async def close(self, now: float) -> None:
         """End of run: close the open busy span; the counters are final after this."""
+
+
+class AgentLoop(Protocol):
+    """What the Rollouter runs a group through on an engine (None: one call of the engine, the
+    one-turn episode): episodes of many turns, each a model turn (trained: behaviour
+    logprobs, a version per token) or an observation a tool wrote (context, never trained:
+    ``Sample.add_observation``), and a reward at the end (core/agent/loop.py)."""
+
+    async def run(self, group: Group, engine: Engine, max_response_len: int, interrupted: Callable[[], bool]) -> bool:
+        """Drive every unfinished sample of ``group`` to the end of its episode on ``engine``;
+        False if interrupted first (the engine aborted, or ``interrupted()`` true at a turn
+        boundary), every finished turn and recorded tool result kept on the samples."""
+
+    def forget(self, groups: Sequence[Group]) -> None:
+        """The groups are done with (queued or dropped): their episodes' records may go."""
+
+    def counters(self) -> dict:
+        """What the report shows of the episodes (empty for single completions)."""
+
+    def state(self) -> dict:
+        """What a checkpoint keeps (taken while rollout is paused)."""
+
+    def restore(self, state: dict) -> None: ...
 
 
 class LocalEngine(Engine, Protocol):

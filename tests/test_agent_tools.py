@@ -22,7 +22,7 @@ from core.agent.tool_call import MalformedCall, ToolCall, parse_calls, response_
 from core.agent.tools import ToolBox, Tool, build_tools
 from core.model.config import ConfigError
 from core.model.lookup_file import LookupFileError
-from core.model.tool_spec import ToolSpec
+from core.model.config import ToolSpec
 
 # -- the call format ---------------------------------------------------------------------------
 

@@ -112,6 +112,29 @@ def test_group_generates(engine, loop):
     assert len({tuple(s.response_tokens) for s in g.samples}) > 1, "samples differ at temperature 1"
 
 
+def test_a_turn_ends_at_a_stop_id_and_keeps_it(engine, loop, reference):
+    """An agent's turn: generation stops at the first token of ``stop_ids`` (as at <eos>), which
+    stays the response's last token; generating again goes on from there."""
+    first = make_group(8, PROMPT)
+    assert loop.run_until_complete(engine.generate(first, 48))
+    # A token the model does sample, a few tokens in, so some responses stop early on it.
+    stop = next(int(t) for s in first.samples for t in s.response_tokens[2:-1] if t != engine.eos_token_id)
+    g = make_group(16, PROMPT)
+    assert loop.run_until_complete(engine.generate(g, 48, frozenset({stop}))) is True
+    stopped = [s for s in g.samples if s.n_response and s.response_tokens[-1] == stop]
+    assert stopped, "some response sampled the stop id"
+    for s in g.samples:
+        assert s.finished
+        assert stop not in s.response_tokens[:-1].tolist(), "nothing is generated past a stop id"
+        np.testing.assert_allclose(s.logprobs, reference(s, 1.0), atol=ATOL[engine.kind])
+    s = stopped[0]
+    n = s.n_response
+    s.finished = False  # the agent loop's next turn
+    assert loop.run_until_complete(engine.generate(Group(0, [s], 0, 0.0), n + 16))
+    assert s.n_response > n and s.response_tokens[n - 1] == stop
+    np.testing.assert_allclose(s.logprobs, reference(s, 1.0), atol=ATOL[engine.kind])
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_are_the_behaviour_policy(engine, loop, reference, temperature):
     engine.temperature = temperature

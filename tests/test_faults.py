@@ -687,7 +687,7 @@ class Fake(Engine):
         self.streams: list[asyncio.Future] = []
         self.calls = 0
 
-    async def generate(self, group, max_response_len):
+    async def generate(self, group, max_response_len, stop_ids=frozenset()):
         self.calls += 1
         loop = asyncio.get_running_loop()
         stream = loop.create_future()
@@ -787,7 +787,7 @@ def test_stop_hands_back_a_generation_that_ignores_abort():
     assert left == [] and held == 0 and t == pytest.approx(10.0)
 
     class Deafer(Deaf):
-        async def generate(self, group, max_response_len):
+        async def generate(self, group, max_response_len, stop_ids=frozenset()):
             await asyncio.Event().wait()
 
     async def main2():

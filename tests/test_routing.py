@@ -24,7 +24,7 @@ class Slow(Engine):
         self.streams: list[asyncio.Future] = []
         self.prompts: list[int] = []  # prompt ids of the groups it was given, in order
 
-    async def generate(self, group, max_response_len):
+    async def generate(self, group, max_response_len, stop_ids=frozenset()):
         self.prompts.append(group.prompt_id)
         loop = asyncio.get_running_loop()
         stream = loop.create_future()
@@ -317,7 +317,7 @@ def test_a_sync_the_only_engine_missed_while_restarting_leaves_the_next_to_form_
 
 
 class Broken(Slow):
-    async def generate(self, group, max_response_len):
+    async def generate(self, group, max_response_len, stop_ids=frozenset()):
         raise ValueError("not a lost worker: a bug")
 
 

@@ -100,7 +100,7 @@ def test_a_supervised_call_times_out_at_its_deadline_and_others_do_not():
     class Slow:
         name = "slow"
 
-        async def generate(self, group, max_response_len):
+        async def generate(self, group, max_response_len, stop_ids=frozenset()):
             await asyncio.sleep(group)
             return True
 

@@ -25,7 +25,8 @@ from typing import Any, Callable, Optional
 from core.agent.calculator import calculate
 from core.agent.lookup import Lookup
 from core.agent.tool_call import MalformedCall, Parsed
-from core.model.tool_spec import ToolSpec, check_tool_fn
+from core.model.config import ToolSpec
+from core.model.tool_spec import check_tool_fn
 from core.model.user_code import UserCodeError, run_guarded, what_it_raised
 
 MAX_OUTPUT_CHARS = 4096
@@ -143,6 +144,16 @@ class ToolBox:
         except asyncio.TimeoutError:
             future.cancel()
             raise
+
+    def calls_of(self, episode: int) -> int:
+        """Calls of ``episode`` in the record."""
+        head = f"{episode}:"
+        return sum(1 for cid in self.record if cid.startswith(head))
+
+    def forget(self, episodes: set[int]) -> None:
+        """Drop the records of episodes that are over: what they answered is in their samples."""
+        if episodes and self.record:
+            self.record = {cid: r for cid, r in self.record.items() if int(cid.split(":", 1)[0]) not in episodes}
 
     def close(self) -> None:
         if self._loop is not None:

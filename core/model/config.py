@@ -20,7 +20,9 @@ from core.model.length_file import LengthFileError, read_lengths
 from core.model.model_dir import ModelDirError, check_loadable, read_model_dir, read_tokenizer
 from core.model.owned import is_owned
 from core.model.prompt_file import PromptFileError, read_prompts
+from core.model.lookup_file import LookupFileError, read_lookup
 from core.model.reward_fn import load_reward_fn
+from core.model.tool_spec import BUILTIN_TOOLS, NAME as TOOL_NAME, check_tool_fn
 from core.model.user_code import UserCodeError
 
 Mode = Literal["sync", "async", "partial", "inflight"]
@@ -610,6 +612,60 @@ class RewardSpec(_Frozen):
         return self
 
 
+class ToolSpec(_Frozen):
+    """One tool. The model calls it as ``{"name": name, "arguments": {...}}`` (docs/agents.md)."""
+
+    name: str
+    """What the model calls it by: letters, digits and _, not starting with a digit."""
+    fn: Optional[str] = None
+    """Your function, ``module:function``, sync or ``async``, called with the call's arguments as
+    keywords and returning text. None: the built-in tool ``name`` (calculator, lookup)."""
+    timeout_s: float = Field(10.0, gt=0, le=3600)
+    """Longest one call may take; a call that does not return in time is answered with an error
+    and the episode goes on. 10 s: above a sandboxed code run, below a stalled connection's."""
+    data: Optional[str] = None
+    """The built-in ``lookup``'s table: a JSONL file of ``{"key": ..., "value": ...}`` lines."""
+
+    @model_validator(mode="after")
+    def _checked(self) -> "ToolSpec":
+        if not TOOL_NAME.fullmatch(self.name):
+            raise ConfigError("tools.name", self.name, "not a tool name", "use letters, digits and _, not starting with a digit")
+        if self.fn is None:
+            if self.name not in BUILTIN_TOOLS:
+                raise ConfigError("tools.name", self.name, "no built-in tool of that name and no fn",
+                                  f"name a built-in ({', '.join(BUILTIN_TOOLS)}) or give fn: module:function")
+            if self.name == "lookup":
+                if self.data is None:
+                    raise ConfigError("tools.data", self.data, "the lookup tool needs its table", "give data: a JSONL file of key/value lines")
+                try:
+                    read_lookup(self.data)
+                except LookupFileError as exc:
+                    raise ConfigError("tools.data", self.data, exc.problem, exc.fix) from None
+        else:
+            try:
+                check_tool_fn(self.fn, self.timeout_s)
+            except UserCodeError as exc:
+                raise ConfigError("tools.fn", self.fn, exc.problem, exc.fix) from None
+        return self
+
+
+class AgentSpec(_Frozen):
+    """Episodes of many turns in which the model calls ``tools`` (docs/agents.md). Set, or
+    ``tools`` given, the Rollouter runs each sample as an episode; absent, one completion.
+    Read by: the local and ray runtimes."""
+
+    max_turns: int = Field(8, ge=1, le=MAX_STEPS)
+    """Model turns per episode: a turn whose calls would lead to one more ends the episode
+    (reason ``max_turns``). 8: above the 2 to 8 turns of the tool tasks users train."""
+    max_tool_calls: int = Field(16, ge=0, le=MAX_STEPS)
+    """Tool calls per episode: a turn whose calls would pass it ends the episode unanswered
+    (reason ``max_tool_calls``)."""
+    max_episode_tokens: Optional[int] = Field(None, ge=2, le=MAX_TOKENS)
+    """Prompt, model turns and tool answers together: the context. A turn stops at it, and
+    answers that would fill it end the episode (reason ``max_episode_tokens``). None: the
+    model's positions."""
+
+
 class EvalSpec(_Frozen):
     """Evaluation of the current policy on held-out prompts, beside training. Read by: the local and
     ray runtimes."""
@@ -861,6 +917,10 @@ class Scenario(_Frozen):
     """The ray runtime."""
     reward: RewardSpec = RewardSpec()
     """Reward computation (real runtimes)."""
+    agent: Optional[AgentSpec] = None
+    """Agent episodes with tool calls (real runtimes); None: one completion per sample, unless ``tools`` are given."""
+    tools: tuple[ToolSpec, ...] = Field((), max_length=64)
+    """The tools an agent calls; given, the Rollouter runs agent episodes (``agent``'s limits, its defaults if unset)."""
     # Operations: faults, timeouts, restarts and checkpoints.
     faults: tuple[FaultSpec, ...] = ()
     """Faults to inject (sim and ray runtimes)."""
@@ -934,7 +994,23 @@ class Scenario(_Frozen):
         self._check_trainer_ranks()
         self._check_faults()
         self._check_kv_fits()
+        self._check_agent()
         return self
+
+    @property
+    def episodes(self) -> Optional[AgentSpec]:
+        """The limits of agent episodes, or None where each sample is one completion."""
+        return self.agent if self.agent is not None else (AgentSpec() if self.tools else None)
+
+    def _check_agent(self) -> None:
+        if self.agent is not None and not self.tools:
+            raise ConfigError("tools", [], "agent episodes call tools, and none is given", "list tools, e.g. tools: [{name: calculator}]")
+        names = [t.name for t in self.tools]
+        for name in names:
+            if names.count(name) > 1:
+                raise ConfigError("tools.name", name, "names two tools", "give each tool a name of its own")
+        if self.episodes is not None and self.runtime == "sim":
+            raise ConfigError("agent", "on", "the sim runtime does not model agent episodes yet", "use runtime: local or ray")
 
     def _check_trainer_ranks(self) -> None:
         """Ranks exist on the ray runtime only, and each gets whole devices."""

@@ -15,7 +15,7 @@ import math
 from collections import deque
 from typing import Any, Awaitable, Callable, Optional
 
-from core.api import CollectiveTicket, PauseMode, PromptSource, RewardFn
+from core.api import AgentLoop, CollectiveTicket, PauseMode, PromptSource, RewardFn
 from core.model.faults import CollectiveBroken, FaultLog, RestartsExhausted, WorkerLost, worker_key
 from core.model.ledger import Ledger
 from core.model.reward_fn import reward_failed
@@ -55,8 +55,10 @@ class Rollouter:
         faults: Optional[FaultLog] = None,
         stop_timeout_s: Optional[float] = None,
         catch_up: Optional[Callable[[int], Awaitable[Any]]] = None,
+        agent: Optional[AgentLoop] = None,
     ) -> None:
         self.engines = engines
+        self.agent = agent  # episodes of many turns; None: one completion per sample
         self.queue = queue
         self.ledger = ledger
         self.group_size = group_size
@@ -109,6 +111,7 @@ class Rollouter:
         # is the smallest entry that is current, without a scan of all engines per group.
         self._loads = [(0, i) for i in range(len(engines))]
         self._paused = False
+        self._cutting = False  # episodes stop at their next turn boundary (a sync that aborts; the end)
         self._frozen = False  # engines hold their generations between decode steps (pause "keep")
         self._stopped = False
         self._wake = asyncio.Event()
@@ -161,6 +164,8 @@ class Rollouter:
         return g
 
     def _drop(self, groups: list[Group], reason: str) -> None:
+        if self.agent is not None:
+            self.agent.forget(groups)
         self.admitted -= sum(g.size for g in groups)
         self.ledger.dropped_groups(groups, reason)
         self._wake.set()
@@ -232,7 +237,10 @@ class Rollouter:
 
     async def _generate(self, group: Group, i: int, k: int) -> None:
         try:
-            completed = await self.engines[i].generate(group, self.max_response_len)
+            if self.agent is None:
+                completed = await self.engines[i].generate(group, self.max_response_len)
+            else:
+                completed = await self.agent.run(group, self.engines[i], self.max_response_len, self.cutting)
         except WorkerLost as exc:
             # What it generated died with it; what this process holds is generated again.
             self.retry_queue.append(group)
@@ -270,6 +278,8 @@ class Rollouter:
                     self._drop([group], "reward_error")
                     return
             group.finished_at = asyncio.get_running_loop().time()
+            if self.agent is not None:
+                self.agent.forget((group,))
             if not await self.queue.put(group, group.version):
                 self._drop([group], "stale_on_arrival")
         else:
@@ -362,6 +372,7 @@ class Rollouter:
         """Stop admitting; ``wait`` drains in-flight work, ``abort`` interrupts it, ``keep``
         freezes it in the engines, KV cache and all, to go on under the next weights."""
         self._paused = True
+        self._cutting = mode == "abort"
         if mode == "keep":
             self._frozen = True
             await self._each_up("freeze")
@@ -417,8 +428,13 @@ class Rollouter:
             self._restarted = True  # the next try forms a new group
             raise broken
 
+    def cutting(self) -> bool:
+        """Episodes stop at their next turn boundary (a sync that aborts, or the end of the run)."""
+        return self._cutting
+
     async def resume(self) -> None:
         self._paused = False
+        self._cutting = False
         if self._frozen:
             self._frozen = False
             await self._each_up("thaw")
@@ -428,6 +444,7 @@ class Rollouter:
         """End of run: interrupt everything and hand back every group not yet queued."""
         self._stopped = True
         self._paused = True
+        self._cutting = True
         await self._each_up("abort_all")
         if self._active:
             _, hung = await asyncio.wait(list(self._active), timeout=self.stop_timeout_s)
@@ -459,6 +476,7 @@ class Rollouter:
             "version": self.version, "admitted": self.admitted, "next_prompt": self._next_prompt,
             "holders": [[pid, i] for pid, (i, _) in self._holders.items()],
             "sticky_resumes": list(self.sticky_resumes), "moved_resumes": list(self.moved_resumes),
+            "agent": self.agent.state() if self.agent is not None else {},
         }
 
     def restore(self, state: dict, interrupted: list[Group], retry: list[Group], paused: bool) -> None:
@@ -470,6 +488,8 @@ class Rollouter:
         self._holders = {pid: (i, self._lives[i]) for pid, i in state.get("holders", []) if 0 <= i < n}
         self.sticky_resumes = list(state.get("sticky_resumes", [0] * n))
         self.moved_resumes = list(state.get("moved_resumes", [0] * n))
+        if state.get("agent") and self.agent is not None:  # absent from checkpoints written before agent loops
+            self.agent.restore(state["agent"])
         self._paused = paused
         self.cancel_queue.extend(interrupted)
         self.retry_queue.extend(retry)

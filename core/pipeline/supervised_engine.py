@@ -187,10 +187,10 @@ class SupervisedEngine:
             if not entry.expired:
                 deadlines.end(entry)
 
-    async def generate(self, group, max_response_len: int) -> bool:
+    async def generate(self, group, max_response_len: int, stop_ids: frozenset[int] = frozenset()) -> bool:
         # A generation always waits: its deadline's timer is set at once, without the wrapper.
         return await self._call(
-            "generate", self.engine.generate(group, max_response_len), self.generate_s, "timeouts.generate_s", lazy=False
+            "generate", self.engine.generate(group, max_response_len, stop_ids), self.generate_s, "timeouts.generate_s", lazy=False
         )
 
     async def abort_all(self) -> int:

@@ -26,7 +26,7 @@ from typing import Awaitable, Callable, Optional
 
 import numpy as np
 
-from core.api import Batch, BatchSource, CollectiveTransfer, Engine, LocalEngine, PromptSource, RewardFn, RolloutControl, TrainBackend, WeightTransfer
+from core.api import AgentLoop, Batch, BatchSource, CollectiveTransfer, Engine, LocalEngine, PromptSource, RewardFn, RolloutControl, TrainBackend, WeightTransfer
 from core.model.config import Placement, Scenario
 from core.model.faults import FaultLog, FaultPlan
 from core.model.ledger import Ledger
@@ -60,6 +60,8 @@ class Workers:
     reward: Optional[RewardFn] = None
     # A prompt's modelled reward spread: the replay priority of a group whose samples carry no reward.
     spread: Optional[Callable[[int], float]] = None
+    # What the Rollouter runs each group through: None, one completion per sample.
+    agent: Optional[AgentLoop] = None
 
 
 @dataclass
@@ -165,6 +167,7 @@ def connect_rollout(
         faults=faults,
         stop_timeout_s=t.control_s,
         catch_up=catch_up,
+        agent=workers.agent,
     )
 
 

@@ -91,12 +91,14 @@ class _SlotLayer(DynamicLayer):
 
 
 class _Request:
-    __slots__ = ("sample", "context", "max_tokens", "tokens", "logprobs", "n", "cuts", "future", "done")
+    __slots__ = ("sample", "context", "max_tokens", "stop", "tokens", "logprobs", "n", "cuts", "future", "done")
 
-    def __init__(self, sample: Sample, context: list[int], max_tokens: int, version: int, future: asyncio.Future) -> None:
+    def __init__(self, sample: Sample, context: list[int], max_tokens: int, version: int, future: asyncio.Future,
+                 stop: frozenset[int] = frozenset()) -> None:
         self.sample = sample
         self.context = context
         self.max_tokens = max_tokens
+        self.stop = stop  # token ids that end the request besides <eos>, kept as its last token
         # The response as it is sampled, in the arrays it is handed over in: n tokens so far.
         self.tokens = np.empty(max_tokens, dtype=TOKEN_DTYPE)
         self.logprobs = np.empty(max_tokens, dtype=LOGPROB_DTYPE)
@@ -185,7 +187,7 @@ class TorchEngine(EngineMeter):
         model = load_model(self.model_dir, attn_implementation=GQA_SDPA, dtype=getattr(torch, self.dtype))
         return model.to(self.device).eval()
 
-    async def generate(self, group: Group, max_response_len: int) -> bool:
+    async def generate(self, group: Group, max_response_len: int, stop_ids: frozenset[int] = frozenset()) -> bool:
         """Generate every unfinished response of ``group``; False if aborted first."""
         if self.model is None:
             raise RuntimeError(f"{self.name}: start() the engine first")
@@ -198,7 +200,7 @@ class TorchEngine(EngineMeter):
                 s.finished = True
                 s.finished_at = loop.time()
                 continue
-            reqs.append(_Request(s, context, want, self.version, loop.create_future()))
+            reqs.append(_Request(s, context, want, self.version, loop.create_future(), stop_ids))
         if not reqs:
             return True
         self._advance(loop.time())
@@ -339,7 +341,7 @@ class TorchEngine(EngineMeter):
             req.tokens[n] = tok
             req.logprobs[n] = lp
             req.n = n = n + 1
-            if tok == self.eos_token_id or n >= req.max_tokens:
+            if tok == self.eos_token_id or n >= req.max_tokens or tok in req.stop:
                 self._release(req, finished=True)
 
     async def _run(self) -> None:

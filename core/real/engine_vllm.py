@@ -189,7 +189,7 @@ class VllmEngine(EngineMeter):
         await self._engine.engine_core.set_weight_version_async(str(self.version))
         log.info("%s: vLLM started on %s (%s)", self.name, self.model_dir, self.device)
 
-    async def generate(self, group: Group, max_response_len: int) -> bool:
+    async def generate(self, group: Group, max_response_len: int, stop_ids: frozenset[int] = frozenset()) -> bool:
         """Generate every unfinished response of ``group``; False if aborted first."""
         if self._engine is None:
             raise RuntimeError(f"{self.name}: start() the engine first")
@@ -204,7 +204,7 @@ class VllmEngine(EngineMeter):
                 s.finished_at = now
                 continue
             req = _Request(f"{self.name}-{next(self._ids)}", s, len(context))
-            req.task = asyncio.create_task(self._stream(req, context, want), name=req.id)
+            req.task = asyncio.create_task(self._stream(req, context, want, stop_ids), name=req.id)
             reqs.append(req)
         if not reqs:
             return True
@@ -304,7 +304,7 @@ class VllmEngine(EngineMeter):
             self._engine = None
 
     # -- requests --------------------------------------------------------------------------------
-    async def _stream(self, req: _Request, context: list[int], max_tokens: int) -> bool:
+    async def _stream(self, req: _Request, context: list[int], max_tokens: int, stop_ids: frozenset[int]) -> bool:
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
@@ -313,6 +313,7 @@ class VllmEngine(EngineMeter):
             temperature=self.temperature,
             logprobs=0,
             output_kind=RequestOutputKind.DELTA,
+            stop_token_ids=sorted(stop_ids) or None,  # kept as the response's last token, as <eos> is
         )
         counted = False
         # Salted by version: cached prefixes are shared only by requests of the same weights.

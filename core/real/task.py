@@ -164,6 +164,18 @@ class Task:
     def prompt_text(self, prompt_id: int, held_out: bool = False) -> str:
         return self.prompts.text(prompt_id, held_out)
 
+    def encode(self, text: str) -> list[int]:
+        """``text``'s token ids, no <bos>: how an agent loop writes a tool's answer."""
+        return list(self._encode(text))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``, special tokens as text: how an agent loop reads a model's turn."""
+        return self._decode(ids)
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self._eos
+
     def tokens(self, prompt_id: int, held_out: bool = False) -> np.ndarray:
         """The prompt's token ids, <bos> first; a text longer than the positions a response leaves
         it is cut on the left (its end kept) or the right (its beginning kept), as ``truncation``

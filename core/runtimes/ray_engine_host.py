@@ -38,7 +38,8 @@ class EngineHost(ActorIdentity):
     async def start(self) -> None:
         await self.engine.start()
 
-    async def generate(self, group: Group, max_response_len: int, payload: list) -> tuple[tuple[bool, Group], bytes]:
+    async def generate(self, group: Group, max_response_len: int, payload: list,
+                       stop_ids: frozenset[int] = frozenset()) -> tuple[tuple[bool, Group], bytes]:
         """Generate ``group`` (its metadata; ``payload``: [a reference to its partial tokens] or
         []); returns ((completed, its metadata), its tokens record) as two results
         (``num_returns=2``): the caller awaits the first and passes the second on by reference,
@@ -46,7 +47,7 @@ class EngineHost(ActorIdentity):
         await self._enter("generate")
         await self._take_tokens(group, payload)
         t0 = asyncio.get_running_loop().time()
-        completed = await self.engine.generate(group, max_response_len)
+        completed = await self.engine.generate(group, max_response_len, stop_ids)
         if completed and self._slow is not None:
             # A slowed worker: what overlapped the interval took ``factor`` times as long.
             factor, lo, hi = self._slow
@@ -161,7 +162,7 @@ class EngineProxy(Engine):
             self.dead = True
             raise WorkerLost(self.name, call, f"the actor died ({type(exc).__name__})") from None
 
-    async def generate(self, group: Group, max_response_len: int) -> bool:
+    async def generate(self, group: Group, max_response_len: int, stop_ids: frozenset[int] = frozenset()) -> bool:
         """The group's metadata goes, and comes back with its tokens record as a second result
         that this process never resolves: it holds the reference (and owns it, so the tokens
         outlive the engine's process) for the trainer, or another engine, to resolve. A resumed
@@ -169,7 +170,7 @@ class EngineProxy(Engine):
         payload = [group.payload] if group.payload is not None else []
         group.payload = None  # not pickled along with the metadata a second time
         try:
-            head, tokens = self.handle.generate.options(num_returns=2).remote(group, max_response_len, payload)
+            head, tokens = self.handle.generate.options(num_returns=2).remote(group, max_response_len, payload, stop_ids)
             completed, done = await self._answer(head, "generate")
         except BaseException:
             group.payload = payload[0] if payload else None  # what it had: its tokens are still there

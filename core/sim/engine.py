@@ -143,10 +143,11 @@ class SimEngine(Engine):
         self._frozen_at: Optional[float] = None  # frozen between decode steps since (inflight sync)
 
     # -- protocol ---------------------------------------------------------------------------
-    async def generate(self, group: Group, max_response_len: int) -> bool:
+    async def generate(self, group: Group, max_response_len: int, stop_ids: frozenset[int] = frozenset()) -> bool:
         """Generate every unfinished response of ``group``; False if aborted first.
 
-        Tokens are appended to the samples in place, tagged with this engine's version.
+        Tokens are appended to the samples in place, tagged with this engine's version. There
+        are no token ids: ``stop_ids`` is ignored, a response's length is drawn from the workload.
         """
         # Only a fault set on this worker makes _enter do anything: spare the coroutine otherwise.
         if not self.answers_now():

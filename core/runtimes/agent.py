@@ -1,0 +1,32 @@
+"""The agent loop of the real runtimes: ``ToolLoop`` on the run's tokenizer and ``tools``."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from core.agent.loop import Limits, ToolLoop, TurnCodec
+from core.agent.tool_call import CLOSE
+from core.agent.tools import ToolBox, build_tools
+from core.api import AgentLoop
+from core.model.config import Scenario
+from core.real.task import Task
+
+
+class NoCallToken(ValueError):
+    """The tokenizer has no single token that ends a tool call."""
+
+
+def make_agent(sc: Scenario, task: Task) -> Optional[AgentLoop]:
+    """With ``agent``/``tools``, episodes that call the tools; else None (one completion per sample).
+    ``NoCallToken`` where the tokenizer cannot end a turn at ``</tool_call>`` (the engines stop
+    on one token id)."""
+    spec = sc.episodes
+    if spec is None:
+        return None
+    ids = task.encode(CLOSE)
+    if len(ids) != 1:
+        raise NoCallToken(f"the model's tokenizer writes {CLOSE} as {len(ids)} tokens {ids[:8]}, and a turn ends at one: "
+                          f"fix: use a model whose tokenizer has {CLOSE} as a token (Qwen2.5's has), or build the tiny model with tiny_model.tool_tokens: true")
+    codec = TurnCodec(ids[0], task.eos_ids, task.encode, task.decode)
+    limits = Limits(spec.max_turns, spec.max_tool_calls, spec.max_episode_tokens or sc.real_max_positions)
+    return ToolLoop(ToolBox(build_tools(sc.tools)), codec, limits)
