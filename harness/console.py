@@ -227,6 +227,29 @@ def honesty_lines(summary: dict) -> list[str]:
     return out
 
 
+def agent_lines(summary: dict) -> list[str]:
+    """For agent episodes: per mode, the share of GPU time that engines stood idle while a tool
+    ran for one of their episodes, and what the episodes were (turns, calls, seconds a call,
+    errors, the trained response tokens that tools wrote and the loss masks out)."""
+    rows = {mode: row for mode, row in summary["modes"].items() if "agent/episodes" in row}
+    if not rows:
+        return []
+    idle = ", ".join(f"{mode} {100 * row['gpu_time/waiting_on_tools']:.1f} %" for mode, row in rows.items())
+    out = [f"GPU time idle while waiting on tools: {idle}."]
+    said: dict[str, list[str]] = {}
+    for mode, row in rows.items():
+        calls = row["agent/tool_calls"]
+        per_call = row["agent/tool_s"] / calls if calls else 0.0
+        masked = row["tokens/masked_observation"] / row["tokens/trained_response"] if row["tokens/trained_response"] else 0.0
+        said.setdefault(f"{row['agent/turns_per_episode']:.1f} turns an episode, {calls:,} tool calls of {per_call:.2f} s on average, "
+                        f"{row['agent/tool_errors']:,} errors; {100 * masked:.0f} % of trained response tokens are tool answers "
+                        "(masked out of the loss).", []).append(mode)
+    for line, modes in said.items():
+        who = "Every mode" if len(modes) == len(rows) else ", ".join(modes)
+        out.append(f"{who}: {line}")
+    return out
+
+
 # Outside these an implied MFU says the scenario's costs (or a published time) are not physical:
 # above peak, or a trainer idling at its own work.
 MFU_HIGH = 1.0

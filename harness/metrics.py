@@ -16,6 +16,7 @@ import numpy as np
 
 from core.model.config import LearnSpec
 from core.model.result import RunResult
+from core.model.timeline import GENERATE
 from core.sim.bound import Bound, pipeline_bound, step_draws, trained_lengths, trained_order
 from core.sim.costs import matmul_params
 from core.sim.workload import Workload
@@ -201,7 +202,55 @@ def collect(
     if result.replay_counters is not None:
         for name, v in result.replay_counters.items():
             m[f"replay/{name}"] = v
+    if result.agent is not None:
+        m.update(agent_metrics(result, gpu_s))
     return m
+
+
+def agent_metrics(result: RunResult, gpu_s: float) -> dict:
+    """Agent episodes: how they ended, their turns and tool calls, and the GPU time that engines
+    stood idle while a tool ran for one of their episodes (``gpu_time/waiting_on_tools``, a
+    share of all GPU time, inside ``gpu_time/idle``)."""
+    a = result.agent
+    ended = {k.removeprefix("ended/"): n for k, n in a["ended"].items()}
+    episodes = sum(ended.values())
+    errors = sum(n for k, n in a.get("box", {}).get("counts", {}).items() if k.startswith("error/"))
+    idle = 0.0
+    for e in result.engines:
+        busy = [(a0, b0) for kind, a0, b0 in result.timeline.spans.get(e.name, ()) if kind == GENERATE]
+        idle += _uncovered(a["tool_spans"].get(e.name, ()), busy)
+    idle_gpu_s = idle * result.placement.gpus_per_engine
+    out = {
+        "agent/episodes": episodes,
+        "agent/turns_per_episode": a["turns"] / episodes if episodes else 0.0,
+        "agent/tool_calls": a["tool_calls"],
+        "agent/tool_s": a["tool_s"],
+        "agent/tool_errors": errors,
+        "agent/gpu_idle_on_tools_s": idle_gpu_s,
+        "gpu_time/waiting_on_tools": idle_gpu_s / gpu_s if gpu_s else 0.0,
+    }
+    out.update({f"agent/ended_{k}": n for k, n in sorted(ended.items())})
+    return out
+
+
+def _uncovered(spans, busy: list) -> float:
+    """Time in ``spans`` (disjoint, in order) that no interval of ``busy`` (disjoint, in order) covers."""
+    total, j = 0.0, 0
+    for a0, b0 in spans:
+        t = a0
+        while j < len(busy) and busy[j][1] <= t:
+            j += 1
+        k = j
+        while t < b0:
+            if k < len(busy) and busy[k][0] < b0:
+                if busy[k][0] > t:
+                    total += busy[k][0] - t
+                t = max(t, busy[k][1])
+                k += 1
+            else:
+                total += b0 - t
+                t = b0
+    return total
 
 
 def implied_mfu(result: RunResult) -> dict[str, float | None]:

@@ -54,6 +54,16 @@ SUMMARY_KEYS = (
     "bound/trained_samples_per_s",
     "bound/trained_tokens_per_s",
     "bound/efficiency",
+    # agent episodes
+    "agent/episodes",
+    "agent/turns_per_episode",
+    "agent/tool_calls",
+    "agent/tool_s",
+    "agent/tool_errors",
+    "agent/gpu_idle_on_tools_s",
+    "gpu_time/waiting_on_tools",
+    "tokens/trained_response",
+    "tokens/masked_observation",
     "sim/wall_s",
     "mem/peak_rss_mb",
     # real runtimes

@@ -45,7 +45,7 @@ from core.model.config import ConfigError, clipped, with_changes
 from core.model.env_config import EnvScenario
 from harness import report
 from harness.console import (
-    ModeProgress, comparison_table, faults_table, honesty_lines, implied_mfu_lines, published_table, seeds_table, target_table,
+    ModeProgress, agent_lines, comparison_table, faults_table, honesty_lines, implied_mfu_lines, published_table, seeds_table, target_table,
 )
 from harness.gpu_sampler import NvmlSampler
 from harness.live_metrics import METRICS_FILE, MetricsFileError, MetricsStream, check_loggers, read_history
@@ -247,6 +247,8 @@ def _print_tables(variants: list[Variant], summaries: dict, summary: dict, conso
             console.print(f"[yellow]{line}[/]", highlight=False)
         for line in implied_mfu_lines(summaries[v.label]):
             console.print(f"[yellow]{line}[/]", highlight=False)
+        for line in agent_lines(summaries[v.label]):
+            console.print(line, highlight=False)
         for table in (faults_table(title, summaries[v.label]), seeds_table(title, summaries[v.label]),
                       target_table(title, summaries[v.label])):
             if table is not None:

@@ -15,7 +15,7 @@ ALLOWED = {
     "core.model": {"ext"},
     "core.api": {"core.model"},
     "core.store": {"core.model", "ext"},
-    "core.sim": {"core.api", "core.model"},
+    "core.sim": {"core.api", "core.model", "core.agent"},
     "core.real": {"core.api", "core.model"},
     "core.agent": {"core.api", "core.model"},
     "core.pipeline": {"core.api", "core.model", "core.store", "ext"},

@@ -294,23 +294,31 @@ RESUME_FAULTS = [
     {"kind": "hang", "call": "update_weights", "worker": 3, "at_step": 10},
     {"kind": "kill", "target": "trainer", "at_step": 13},
 ]
+# Agent episodes (2 to 5 turns, tools of ~3 s, KV held while they run), a worker killed mid-run:
+# episodes stopped at their turn boundaries, contexts kept in engines, resumed as they were.
+AGENT = {"min_turns": 2, "max_turns": 5, "tool_delay_s": {"median": 3.0, "sigma": 0.8, "high": 20.0},
+         "observation_tokens": {"median": 100, "sigma": 0.5, "low": 1}}
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
-    "every, faults, stops",
+    "every, faults, stops, agent",
     [
-        (1, [], lambda rng: sorted(rng.sample(range(1, STEPS), 3))),
-        (2, [], lambda rng: sorted(rng.sample(range(1, STEPS), 2))),
+        (1, [], lambda rng: sorted(rng.sample(range(1, STEPS), 3)), None),
+        (2, [], lambda rng: sorted(rng.sample(range(1, STEPS), 2)), None),
         # Stopped while the slowdown is under way (60-260 s; the checkpoint of step 4 is at
         # 120-145 s): the resumed run must still end it on time.
-        (1, [SLOW], lambda rng: [rng.randrange(5, 8)]),
-        (1, RESUME_FAULTS, lambda rng: [rng.randrange(4, 12), rng.randrange(12, STEPS)]),
+        (1, [SLOW], lambda rng: [rng.randrange(5, 8)], None),
+        (1, RESUME_FAULTS, lambda rng: [rng.randrange(4, 12), rng.randrange(12, STEPS)], None),
+        (1, [{"kind": "kill", "worker": 0, "at_s": 80.0}], lambda rng: sorted(rng.sample(range(1, STEPS), 2)), AGENT),
     ],
-    ids=["every1", "every2", "slowdown", "faults"],
+    ids=["every1", "every2", "slowdown", "faults", "agent"],
 )
-def test_a_resumed_run_ends_as_the_run_that_never_stopped(mode, every, faults, stops, no_fsync, tmp_path):
-    sc = with_changes(base(), {"checkpoint.every": every, "faults": faults})
+def test_a_resumed_run_ends_as_the_run_that_never_stopped(mode, every, faults, stops, agent, no_fsync, tmp_path):
+    changes = {"checkpoint.every": every, "faults": faults}
+    if agent is not None:
+        changes["agent"] = agent
+    sc = with_changes(base(), changes)
     full = outcome(run_mode(sc, mode, run_dir=tmp_path / "full"))
     rng = random.Random(f"resume/{mode}/{every}/{len(faults)}")
     for k in stops(rng):

@@ -65,16 +65,18 @@ class Limits:
     max_episode_tokens: int
 
 
-class ToolLoop(AgentLoop):
-    """Multi-turn episodes with tool calls."""
+class EpisodeLoop(AgentLoop):
+    """Runs each unfinished sample of a group as an episode of its own (``_episode``), all at
+    once, and counts how episodes ended, their turns, and their tools' calls and time. The
+    intervals in which a tool ran for an episode of an engine are kept per engine (merged), so
+    that the report can say how long that engine stood idle waiting on tools."""
 
-    def __init__(self, box: ToolBox, codec: TurnCodec, limits: Limits) -> None:
-        self.box = box
-        self.codec = codec
-        self.limits = limits
-        self.stop_ids = frozenset({codec.call_end_id})
+    def __init__(self) -> None:
         self.ended: Counter = Counter()  # episodes by END_REASONS
         self.turns = 0  # model turns generated to their end, over all episodes
+        self.tool_calls = 0
+        self.tool_s = 0.0  # summed over calls (calls overlap)
+        self.tool_spans: dict[str, list[list[float]]] = {}  # engine name -> disjoint [start, end], in order
 
     async def run(self, group: Group, engine: Engine, max_response_len: int, interrupted: Callable[[], bool]) -> bool:
         todo = group.unfinished()
@@ -91,6 +93,52 @@ class ToolLoop(AgentLoop):
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
         return all(results)
+
+    async def _episode(self, group: Group, s: Sample, engine: Engine, max_response_len: int, interrupted: Callable[[], bool]) -> bool:
+        raise NotImplementedError
+
+    def _end(self, s: Sample, reason: str) -> None:
+        s.finished = True
+        self.ended[reason] += 1
+
+    def _tools_ran(self, engine: Engine, start: float, end: float, calls: int) -> None:
+        """Calls for an episode of ``engine`` ran from ``start`` to ``end`` (now)."""
+        self.tool_calls += calls
+        self.tool_s += calls * (end - start)
+        spans = self.tool_spans.setdefault(engine.name, [])
+        # ``end`` is now, at or after every end kept: the union only grows at its tail.
+        while spans and spans[-1][1] >= start:
+            start = min(start, spans.pop()[0])
+        spans.append([start, end])
+
+    def forget(self, groups: Sequence[Group]) -> None:
+        pass
+
+    def counters(self) -> dict:
+        """Episodes by how they ended, model turns, tool calls and their summed seconds."""
+        out = {f"ended/{k}": self.ended[k] for k in END_REASONS}
+        out.update({"turns": self.turns, "tool_calls": self.tool_calls, "tool_s": self.tool_s})
+        return out
+
+    def state(self) -> dict:
+        return {"ended": dict(self.ended), "turns": self.turns, "tool_calls": self.tool_calls, "tool_s": self.tool_s,
+                "tool_spans": self.tool_spans}
+
+    def restore(self, state: dict) -> None:
+        self.ended = Counter(state["ended"])
+        self.turns, self.tool_calls, self.tool_s = state["turns"], state["tool_calls"], state["tool_s"]
+        self.tool_spans = {k: [list(x) for x in v] for k, v in state["tool_spans"].items()}
+
+
+class ToolLoop(EpisodeLoop):
+    """Multi-turn episodes with tool calls, on a real engine."""
+
+    def __init__(self, box: ToolBox, codec: TurnCodec, limits: Limits) -> None:
+        super().__init__()
+        self.box = box
+        self.codec = codec
+        self.limits = limits
+        self.stop_ids = frozenset({codec.call_end_id})
 
     async def _episode(self, group: Group, s: Sample, engine: Engine, max_response_len: int, interrupted: Callable[[], bool]) -> bool:
         one = Group(group.prompt_id, [s], group.version, group.admitted_at)
@@ -110,7 +158,7 @@ class ToolLoop(AgentLoop):
                     continue
                 s.finished = False  # a turn ended, not the episode
                 continue
-            await self._answer(s, turn_start, cap, binding)
+            await self._answer(s, engine, turn_start, cap, binding)
         return True
 
     def _turn_start(self, s: Sample) -> int | None:
@@ -124,7 +172,7 @@ class ToolLoop(AgentLoop):
             return None
         return obs[-1][0] + obs[-1][1] if obs else 0
 
-    async def _answer(self, s: Sample, turn_start: int, cap: int, binding: str) -> None:
+    async def _answer(self, s: Sample, engine: Engine, turn_start: int, cap: int, binding: str) -> None:
         turn = len(s.observations)  # each answered turn left one observation
         text = self.codec.decode(s.response_tokens[turn_start:].tolist())
         calls: list[Parsed] = parse_calls(text, s.uid, turn)
@@ -137,7 +185,10 @@ class ToolLoop(AgentLoop):
         if self.box.calls_of(s.uid) + len(calls) > lim.max_tool_calls:
             self._end(s, "max_tool_calls")
             return
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
         results = await self.box.answer(calls)
+        self._tools_ran(engine, t0, loop.time(), len(calls))
         tokens = self.codec.observation(results)
         # The context must hold the answers and at least one more model token.
         if s.n_response + len(tokens) >= cap:
@@ -146,25 +197,18 @@ class ToolLoop(AgentLoop):
         version = s.version_spans[-1][0] if s.version_spans else 0
         s.add_observation(np.asarray(tokens), version)
 
-    def _end(self, s: Sample, reason: str) -> None:
-        s.finished = True
-        self.ended[reason] += 1
-
     def forget(self, groups: Sequence[Group]) -> None:
         self.box.forget({s.uid for g in groups for s in g.samples})
 
     def counters(self) -> dict:
-        """Episodes by how they ended, turns, and the tool box's counts and seconds."""
-        out = {f"ended/{k}": self.ended[k] for k in END_REASONS}
-        out["turns"] = self.turns
+        """The episodes' counts, and the tool box's: calls executed, replayed, errors by kind."""
+        out = super().counters()
         out.update({f"tools/{k}": v for k, v in sorted(self.box.counts.items())})
-        out["tools/seconds"] = self.box.seconds
         return out
 
     def state(self) -> dict:
-        return {"ended": dict(self.ended), "turns": self.turns, "box": self.box.state()}
+        return {**super().state(), "box": self.box.state()}
 
     def restore(self, state: dict) -> None:
-        self.ended = Counter(state["ended"])
-        self.turns = state["turns"]
+        super().restore(state)
         self.box.restore(state["box"])

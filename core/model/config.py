@@ -649,21 +649,60 @@ class ToolSpec(_Frozen):
         return self
 
 
+class SpreadSpec(_Frozen):
+    """A quantity drawn afresh for each event: lognormal around ``median`` with log-spread
+    ``sigma`` (0: always the median), clipped to [``low``, ``high``]."""
+
+    median: float = Field(0.0, ge=0)
+    """The typical value."""
+    sigma: float = Field(0.0, ge=0, le=10)
+    """Standard deviation of its logarithm: 0.5 puts two thirds of draws within 0.6x to 1.65x the median."""
+    low: float = Field(0.0, ge=0)
+    """The least a draw may be."""
+    high: Optional[float] = Field(None, ge=0)
+    """The most a draw may be; None: no ceiling."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "SpreadSpec":
+        if self.high is not None and self.high < self.low:
+            raise refused(f"high = {self.high:g} is below low = {self.low:g}", f"make high at least {self.low:g}")
+        return self
+
+
 class AgentSpec(_Frozen):
     """Episodes of many turns in which the model calls ``tools`` (docs/agents.md). Set, or
     ``tools`` given, the Rollouter runs each sample as an episode; absent, one completion.
-    Read by: the local and ray runtimes."""
+    Read by: every runtime (the sim draws turns, answers and tool latency from it)."""
 
     max_turns: int = Field(8, ge=1, le=MAX_STEPS)
     """Model turns per episode: a turn whose calls would lead to one more ends the episode
-    (reason ``max_turns``). 8: above the 2 to 8 turns of the tool tasks users train."""
+    (reason ``max_turns``). 8: above the 2 to 8 turns of the tool tasks users train. The sim
+    draws each episode's turns uniformly from ``min_turns`` to this."""
+    min_turns: int = Field(1, ge=1, le=MAX_STEPS)
+    """Sim: the fewest model turns an episode has (each turn but the last ends in a tool call)."""
     max_tool_calls: int = Field(16, ge=0, le=MAX_STEPS)
     """Tool calls per episode: a turn whose calls would pass it ends the episode unanswered
     (reason ``max_tool_calls``)."""
     max_episode_tokens: Optional[int] = Field(None, ge=2, le=MAX_TOKENS)
     """Prompt, model turns and tool answers together: the context. A turn stops at it, and
     answers that would fill it end the episode (reason ``max_episode_tokens``). None: the
-    model's positions."""
+    model's positions (real runtimes), unbounded but by ``workload.max_response_len`` (sim)."""
+    tool_delay_s: SpreadSpec = SpreadSpec()
+    """How long a tool call takes beyond the tool's own time: drawn per call, slept before its
+    answer (real runtimes: a stand-in for a sandbox's or a search engine's latency); the whole
+    of a call's time in the sim."""
+    observation_tokens: SpreadSpec = SpreadSpec(median=64.0, sigma=0.5, low=1.0)
+    """Sim: the tokens of a tool's answer (64: a short JSON or a few lines of a program's output)."""
+    release_kv_during_tools: bool = False
+    """While an episode's tool runs its engine frees the episode's KV cache, and prefills the
+    whole context again for the next turn; false: the KV stays held (taking cache room that
+    other requests could use), and the next turn prefills only the tool's answer."""
+
+    @model_validator(mode="after")
+    def _turns(self) -> "AgentSpec":
+        if self.min_turns > self.max_turns:
+            raise ConfigError("agent.min_turns", self.min_turns, f"is above agent.max_turns = {self.max_turns}", f"use at most {self.max_turns}")
+        return self
 
 
 class EvalSpec(_Frozen):
@@ -1003,14 +1042,15 @@ class Scenario(_Frozen):
         return self.agent if self.agent is not None else (AgentSpec() if self.tools else None)
 
     def _check_agent(self) -> None:
-        if self.agent is not None and not self.tools:
+        if self.agent is not None and not self.tools and self.runtime != "sim":
             raise ConfigError("tools", [], "agent episodes call tools, and none is given", "list tools, e.g. tools: [{name: calculator}]")
         names = [t.name for t in self.tools]
         for name in names:
             if names.count(name) > 1:
                 raise ConfigError("tools.name", name, "names two tools", "give each tool a name of its own")
-        if self.episodes is not None and self.runtime == "sim":
-            raise ConfigError("agent", "on", "the sim runtime does not model agent episodes yet", "use runtime: local or ray")
+        if self.tools and self.runtime == "sim":
+            raise ConfigError("tools", [t.name for t in self.tools], "the sim runtime models tool calls by agent.tool_delay_s and "
+                              "agent.observation_tokens, and runs no tool", "remove tools, or use runtime: local or ray")
 
     def _check_trainer_ranks(self) -> None:
         """Ranks exist on the ray runtime only, and each gets whole devices."""

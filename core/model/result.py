@@ -79,3 +79,6 @@ class RunResult:
     evaluations: list = field(default_factory=list)  # held-out scores per version (real runtimes)
     clock_offsets_s: dict = field(default_factory=dict)  # per process, what its times were shifted by
     nodes: dict = field(default_factory=dict)  # ray: per component, the node ids it ran on (start, then any after a restart)
+    # Agent episodes: the loop's counts and, per engine, when tools ran for its episodes
+    # (core/agent/loop.py EpisodeLoop.state); None where each sample is one completion.
+    agent: Optional[dict] = None

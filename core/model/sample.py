@@ -119,14 +119,19 @@ class Sample:
             self.response_tokens, self.logprobs = tokens, logprobs
 
     def add_observation(self, tokens, version: int) -> None:
-        """Append what a tool or an environment answered (token ids) to the response: context
-        for the next turn, with a logprob of 0 and a loss mask of 0 (never trained)."""
-        tokens = token_array(tokens)
-        n = len(tokens)
-        if n == 0:
+        """Append what a tool or an environment answered (token ids, or their count where an
+        engine only counts) to the response: context for the next turn, with a logprob of 0
+        and a loss mask of 0 (never trained)."""
+        if isinstance(tokens, (int, np.integer)):
+            n, tokens, logprobs = int(tokens), None, None
+        else:
+            tokens = token_array(tokens)
+            n = len(tokens)
+            logprobs = np.zeros(n, dtype=LOGPROB_DTYPE)
+        if n <= 0:
             return
         start = self.n_response
-        self.add_tokens(n, version, tokens, np.zeros(n, dtype=LOGPROB_DTYPE))
+        self.add_tokens(n, version, tokens, logprobs)
         obs = self.observations
         if obs and obs[-1][0] + obs[-1][1] == start:
             obs[-1][1] += n

@@ -116,6 +116,7 @@ class System:
             end_s=end_s,
             wall_s=wall_s,
             evaluations=list(evaluations or []),
+            agent=self.rollouter.agent.state() if self.rollouter.agent is not None else None,
         )
 
 

@@ -16,6 +16,7 @@ from core.pipeline.wiring import ProgressFn, Workers
 from core.runtimes.inproc import InProcRun, connect_inproc, drive
 from core.runtimes.run_checkpoint import restore_latest
 from core.sim import virtual_clock
+from core.sim.agent_episodes import SimEpisodes
 from core.sim.backend import SimTrainBackend, SimWeightTransfer
 from core.sim.costs import DecodeCost, TrainCost, TransferCost
 from core.sim.engine import SimEngine
@@ -25,15 +26,19 @@ from core.sim.workload import Workload
 def sim_workers(plan: RunPlan, timeline: Timeline) -> Workers:
     """The sim runtime's workers: engines and trainer on modelled costs."""
     sc, mode, place = plan.scenario, plan.mode, plan.placement
-    workload = Workload(sc.workload, sc.seed)
+    agent = sc.episodes
+    workload = Workload(sc.workload, sc.seed, agent)
     decode = DecodeCost(sc, place.gpus_per_engine, colocated=place.colocated)
+    keep_kv = agent is not None and not agent.release_kv_during_tools
     engines = [
-        SimEngine(f"engine{i:03d}", decode, workload, sc.rollout.max_num_seqs, timeline, sc.recovery.engine_restart_s)
+        SimEngine(f"engine{i:03d}", decode, workload, sc.rollout.max_num_seqs, timeline, sc.recovery.engine_restart_s,
+                  turns=agent is not None, keep_kv=keep_kv)
         for i in range(place.engines)
     ]
     backend = SimTrainBackend(TrainCost(sc, place.trainer_gpus, mode in sc.trainer.recompute_logprobs, colocated=place.colocated))
     transfer = SimWeightTransfer(TransferCost(sc, colocated=place.colocated))
-    return Workers(engines, backend, transfer, spread=Workload(sc.workload, sc.seed).reward_spread)
+    return Workers(engines, backend, transfer, spread=Workload(sc.workload, sc.seed).reward_spread,
+                   agent=SimEpisodes(workload) if agent is not None else None)
 
 
 def connect_sim(

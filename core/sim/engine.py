@@ -79,15 +79,17 @@ class _Waiter:
 
 
 class _Request:
-    __slots__ = ("sample", "waiter", "steps", "join", "ctx", "preempted")
+    __slots__ = ("sample", "waiter", "steps", "join", "ctx", "preempted", "cached", "calls")
 
-    def __init__(self, sample: Sample, waiter: _Waiter, steps: int, ctx: int) -> None:
+    def __init__(self, sample: Sample, waiter: _Waiter, steps: int, ctx: int, cached: int = 0, calls: bool = False) -> None:
         self.sample = sample
         self.waiter = waiter
         self.steps = steps  # tokens this request will generate before it stops
         self.join = 0.0  # engine step count when it joined the batch
         self.ctx = ctx  # context tokens when it joined
         self.preempted = False  # its KV was freed: readmitting it prefills its context again
+        self.cached = cached  # context tokens whose KV this engine kept from the episode's last turn
+        self.calls = calls  # an agent's turn that ends in a tool call: its KV may be kept for the next
 
 
 class SimEngine(Engine):
@@ -105,8 +107,16 @@ class SimEngine(Engine):
         max_num_seqs: int,
         timeline: Optional[Timeline] = None,
         restart_s: float = 0.0,
+        turns: bool = False,
+        keep_kv: bool = False,
     ) -> None:
         self.name = name
+        # Agent episodes (core/sim/agent_episodes.py): the caller's cap is where a turn ends, and
+        # an engine that keeps KV holds an episode's context while its tool runs.
+        self.turns = turns
+        self.keep_kv = keep_kv
+        self._kept: dict[int, int] = {}  # sample uid -> context tokens whose KV is held between turns
+        self.kv_released = 0  # kept contexts freed under cache pressure, to be prefilled again
         self.cost = cost
         self.workload = workload
         self.max_num_seqs = max_num_seqs
@@ -147,7 +157,9 @@ class SimEngine(Engine):
         """Generate every unfinished response of ``group``; False if aborted first.
 
         Tokens are appended to the samples in place, tagged with this engine's version. There
-        are no token ids: ``stop_ids`` is ignored, a response's length is drawn from the workload.
+        are no token ids: a response's length is drawn from the workload; with ``turns`` (agent
+        episodes) a request ends at ``max_response_len``, and ``stop_ids`` given means the turn
+        ends there in a tool call (its KV kept for the next turn when ``keep_kv``).
         """
         # Only a fault set on this worker makes _enter do anything: spare the coroutine otherwise.
         if not self.answers_now():
@@ -157,15 +169,25 @@ class SimEngine(Engine):
             return True
         loop = asyncio.get_running_loop()
         waiter = _Waiter(loop.create_future(), len(todo))
-        lengths = self.workload.response_lengths(group.prompt_id).tolist()
         reqs = []
-        for s in todo:
-            want = min(lengths[s.index], max_response_len) - s.n_response
-            if want <= 0:  # cut at the budget earlier, or resumed at the cap
-                waiter.emits.append((s, 0, self.version, True, s.finished_at))
-                waiter.pending -= 1
-                continue
-            reqs.append(_Request(s, waiter, want, s.n_prompt + s.n_response))
+        if self.turns:
+            calls = bool(stop_ids) and self.keep_kv
+            for s in todo:
+                want = max_response_len - s.n_response
+                if want <= 0:
+                    waiter.emits.append((s, 0, self.version, True, s.finished_at))
+                    waiter.pending -= 1
+                    continue
+                reqs.append(_Request(s, waiter, want, s.n_prompt + s.n_response, self._unkeep(s.uid), calls))
+        else:
+            lengths = self.workload.response_lengths(group.prompt_id).tolist()
+            for s in todo:
+                want = min(lengths[s.index], max_response_len) - s.n_response
+                if want <= 0:  # cut at the budget earlier, or resumed at the cap
+                    waiter.emits.append((s, 0, self.version, True, s.finished_at))
+                    waiter.pending -= 1
+                    continue
+                reqs.append(_Request(s, waiter, want, s.n_prompt + s.n_response))
         if not reqs:
             _apply(waiter.emits)
             return True
@@ -257,9 +279,40 @@ class SimEngine(Engine):
         self._reschedule(loop)
 
     async def clear_cache(self) -> None:
-        """KV blocks of finished and aborted requests are already free in this model."""
+        """KV blocks of finished and aborted requests are already free in this model; kept
+        contexts of agent episodes are freed (their next turns prefill them again)."""
         if not self.answers_now():
             await self._enter("clear_cache")
+        if self._kept:
+            loop = asyncio.get_running_loop()
+            self._advance(loop.time())
+            self._cap += sum(self._kept.values())
+            self._kept.clear()
+            self._reschedule(loop)
+
+    # -- KV held between an agent's turns ---------------------------------------------------------
+    def _keep(self, uid: int, tokens: int) -> None:
+        self._kept[uid] = tokens
+        self._cap -= tokens
+
+    def _unkeep(self, uid: int) -> int:
+        """The kept context of ``uid``'s episode, handed to its next turn (0 if none)."""
+        tokens = self._kept.pop(uid, 0)
+        self._cap += tokens
+        return tokens
+
+    def _release_kept(self, need: float) -> bool:
+        """Free kept contexts, oldest first, until ``need`` tokens are free or none is left;
+        True if any was freed. Their episodes' next turns prefill their whole context again."""
+        freed = False
+        while self._kept and need > 0:
+            uid = next(iter(self._kept))
+            tokens = self._kept.pop(uid)
+            self._cap += tokens
+            need -= tokens
+            self.kv_released += 1
+            freed = True
+        return freed
 
     # -- faults -----------------------------------------------------------------------------
     async def _enter(self, call: str) -> None:
@@ -335,7 +388,9 @@ class SimEngine(Engine):
         if not waiting or len(heap) >= most:
             return
         stall = 0.0
-        prompt_done: set[int] = set()
+        # A prompt is prefilled once for the requests admitted together (prefix caching); an
+        # agent's episodes arrive one call each, and share the prompt of those running.
+        prompt_done: set[int] = {r.sample.prompt_id for _, _, r in heap} if self.turns else set()
         prefill_s = self.cost.prefill_s
         slowdown = self.slowdown
         cap = self._cap
@@ -344,12 +399,19 @@ class SimEngine(Engine):
             req = waiting[0]
             ctx = req.ctx
             # Its context, and the next token of every running request and of its own.
-            if C + ctx + len(heap) + 1 > cap and heap:
-                break  # (alone, a request always fits: the scenario check saw to it)
+            if C + ctx + len(heap) + 1 > cap and (heap or self._kept):
+                if not self._release_kept(C + ctx + len(heap) + 1 - cap):
+                    break  # (alone, a request always fits: the scenario check saw to it)
+                cap = self._cap
+                continue
             waiting.popleft()
             s = req.sample
-            # The group's prompt is prefilled once (prefix caching); resumed tokens are recomputed.
+            # The group's prompt is prefilled once (prefix caching); resumed tokens are recomputed,
+            # but for an episode's context that this engine kept while its tool ran.
             start = s.n_prompt if s.prompt_id in prompt_done else 0
+            if req.cached:
+                start = max(start, min(req.cached, ctx))
+                req.cached = 0
             prompt_done.add(s.prompt_id)
             stall += prefill_s(start, ctx) * slowdown
             self.prefill_tokens += ctx - start
@@ -431,6 +493,8 @@ class SimEngine(Engine):
             req = _heappop(heap)[2]
             n = req.steps
             self._C -= req.ctx + n
+            if req.calls:  # an agent's turn ended in a call: its context stays for the next turn
+                self._keep(req.sample.uid, req.ctx + n)
             if n > 0:
                 self.tokens_generated += n
             waiter = req.waiter
@@ -450,7 +514,10 @@ class SimEngine(Engine):
 
     def _preempt(self) -> None:
         """Free the KV of the most recently admitted request and queue it first to come back
-        with the tokens it has (vLLM V1's recompute preemption)."""
+        with the tokens it has (vLLM V1's recompute preemption). A context kept for an agent's
+        next turn goes first: it only costs that turn a prefill."""
+        if self._release_kept(1):
+            return
         heap = self._heap
         j = max(range(len(heap)), key=lambda i: heap[i][1])
         _, _, req = heap[j]
@@ -503,6 +570,7 @@ class SimEngine(Engine):
             "busy_s": self.busy_s, "seq_s": self.seq_s, "S": self._S, "t": self._t, "C": self._C, "seq": self._seq,
             "slowdown": self.slowdown, "hang_next": self.hang_next, "down_until": self.down_until,
             "preemptions": self.preemptions, "recomputed_tokens": self.recomputed_tokens,
+            "kept": [[u, n] for u, n in self._kept.items()], "kv_released": self.kv_released,
         }
 
     def restore(self, st: dict) -> None:
@@ -510,6 +578,9 @@ class SimEngine(Engine):
         self.busy_s, self.seq_s, self._S, self._t, self._C, self._seq = st["busy_s"], st["seq_s"], st["S"], st["t"], st["C"], st["seq"]
         self.slowdown, self.hang_next, self.down_until = st["slowdown"], st["hang_next"], st["down_until"]
         self.preemptions, self.recomputed_tokens = st.get("preemptions", 0), st.get("recomputed_tokens", 0)
+        for uid, n in st.get("kept", []):
+            self._keep(uid, n)
+        self.kv_released = st.get("kv_released", 0)
 
     async def close(self, now: float) -> None:
         """Close the open busy span at the end of a run."""

@@ -10,7 +10,10 @@ import math
 
 import numpy as np
 
-from core.model.config import WorkloadSpec
+from dataclasses import dataclass
+from typing import Optional
+
+from core.model.config import AgentSpec, SpreadSpec, WorkloadSpec
 from core.model.length_file import read_lengths
 
 _BLOCK = 1024
@@ -19,14 +22,31 @@ _BLOCK = 1024
 _PHI = np.frompyfunc(lambda z: 0.5 * math.erfc(-z / math.sqrt(2.0)), 1, 1)
 
 
+@dataclass(frozen=True, slots=True)
+class EpisodePlan:
+    """One simulated agent episode: its model turns, each but the last ending in a tool call,
+    and each call's answer and latency. Positions count the response: model and answer tokens."""
+
+    turn_ends: tuple[int, ...]  # the response position at which each model turn ends
+    answers: tuple[int, ...]  # tokens of each call's answer (one per turn but the last)
+    tool_s: tuple[float, ...]  # seconds each call takes
+    reason: str  # how the episode ends (core/agent/loop.py END_REASONS)
+
+
+def _spread(rng: np.random.Generator, spec: SpreadSpec, n: int) -> np.ndarray:
+    draws = spec.median * np.exp(spec.sigma * rng.standard_normal(n))
+    return np.clip(draws, spec.low, np.inf if spec.high is None else spec.high)
+
+
 class Workload:
     """Deterministic response lengths: lognormal with a per-prompt component, clipped; or,
     with ``workload.lengths``, the file's distribution drawn through the same normals (its
     quantile at Phi(z)), so a group's lengths stay correlated as ``prompt_share`` says."""
 
-    def __init__(self, spec: WorkloadSpec, seed: int) -> None:
+    def __init__(self, spec: WorkloadSpec, seed: int, agent: Optional[AgentSpec] = None) -> None:
         self.spec = spec
         self.seed = seed
+        self.agent = agent
         self._blocks: dict[int, np.ndarray] = {}
         self._empirical = read_lengths(spec.lengths) if spec.lengths is not None else None
 
@@ -64,3 +84,39 @@ class Workload:
     def sample_lengths(self, n_prompts: int = 8192) -> np.ndarray:
         """Response lengths of the first ``n_prompts`` prompts, one row per group."""
         return np.concatenate([self._block(b) for b in range(-(-n_prompts // _BLOCK))])[:n_prompts]
+
+    def episode(self, prompt_id: int, index: int) -> EpisodePlan:
+        """The agent episode of response ``index`` to prompt ``prompt_id`` (``agent`` set).
+
+        Its model tokens are the response length the workload draws for it (so the long tail
+        of ``workload`` holds for episodes too), split evenly over T turns, T uniform in
+        [agent.min_turns, agent.max_turns]; each call's answer and latency are drawn from
+        ``agent.observation_tokens`` and ``agent.tool_delay_s``. From a stream of its own, so
+        lengths stay what they are without agents. An episode past ``agent.max_tool_calls``
+        calls, or whose context would pass ``workload.max_response_len`` or
+        ``agent.max_episode_tokens``, ends there, as the real loop ends it."""
+        a = self.agent
+        length = int(self.response_lengths(prompt_id)[index])
+        rng = np.random.default_rng([self.seed, prompt_id, index, 2])
+        turns = min(int(rng.integers(a.min_turns, a.max_turns + 1)), length)
+        answers = np.maximum(np.rint(_spread(rng, a.observation_tokens, turns - 1)), 1).astype(np.int64).tolist()
+        tool_s = _spread(rng, a.tool_delay_s, turns - 1).tolist()
+        reason = "eos"
+        if turns - 1 > a.max_tool_calls:
+            turns, reason = a.max_tool_calls + 1, "max_tool_calls"
+        cap, binding = self.spec.max_response_len, "max_response_len"
+        if a.max_episode_tokens is not None and a.max_episode_tokens - self.spec.prompt_tokens < cap:
+            cap, binding = max(a.max_episode_tokens - self.spec.prompt_tokens, 1), "max_episode_tokens"
+        per, extra = divmod(length, turns)
+        ends, pos = [], 0
+        for k in range(turns):
+            pos += per + (k < extra)
+            if pos >= cap:  # the turn runs into the context's end
+                ends.append(cap)
+                return EpisodePlan(tuple(ends), tuple(answers[: k]), tuple(tool_s[: k]), binding)
+            ends.append(pos)
+            if k < turns - 1:
+                if pos + answers[k] >= cap:  # its answer would fill the context: the episode ends unanswered
+                    return EpisodePlan(tuple(ends), tuple(answers[: k]), tuple(tool_s[: k]), binding)
+                pos += answers[k]
+        return EpisodePlan(tuple(ends), tuple(answers[: turns - 1]), tuple(tool_s[: turns - 1]), reason)
