@@ -294,3 +294,27 @@ def test_forget_drops_the_records_of_episodes_that_ended():
     assert len(loop.box.record) == 8
     loop.forget([a])
     assert sorted(loop.box.record) == sorted(f"{u}:{k}:0" for u in (2, 3) for k in range(2))
+
+
+def test_a_call_whose_caller_is_cancelled_runs_once_and_is_recorded():
+    """The episode waiting on a call is cancelled (its group's engine was lost): the call goes
+    on and is recorded; asked again while it runs, it is waited for, not made twice."""
+    from core.agent.tool_call import parse_calls
+
+    tool = Counting(delay_s=0.2)
+    box = ToolBox([Tool("count", tool, 5.0)])
+    calls = parse_calls(call("k"), 7, 0)
+
+    async def main():
+        first = asyncio.ensure_future(box.answer(calls))
+        await asyncio.sleep(0.05)
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        again = await box.answer(calls)
+        after = await box.answer(calls)
+        return again, after
+
+    again, after = run(main())
+    assert tool.runs == Counter({"k": 1})
+    assert again[0].content == after[0].content == "ok k"
+    assert box.counts["joined"] == 1 and box.counts["replayed"] == 1 and "7:0:0" in box.record

@@ -16,7 +16,7 @@ ALLOWED = {
     "core.api": {"core.model"},
     "core.store": {"core.model", "ext"},
     "core.sim": {"core.api", "core.model", "core.agent"},
-    "core.real": {"core.api", "core.model"},
+    "core.real": {"core.api", "core.model", "core.agent"},
     "core.agent": {"core.api", "core.model"},
     "core.pipeline": {"core.api", "core.model", "core.store", "ext"},
     "core.env": {"core.api", "core.model", "core.store", "core.pipeline", "ext"},

@@ -73,16 +73,20 @@ class _ToolLoop:
 class ToolBox:
     """The tools of a run, and the record of every call made."""
 
-    def __init__(self, tools: list[Tool], max_output_chars: int = MAX_OUTPUT_CHARS) -> None:
+    def __init__(self, tools: list[Tool], max_output_chars: int = MAX_OUTPUT_CHARS,
+                 delay: Optional[Callable[[str], float]] = None) -> None:
         names = [t.name for t in tools]
         if len(set(names)) != len(names):
             raise ValueError(f"tool names must be distinct: {names}")
         self.tools = {t.name: t for t in tools}
         self.max_output_chars = max_output_chars
         self.record: dict[str, ToolResult] = {}
-        self.counts: Counter = Counter()  # calls, executed, replayed, error/<kind>
+        self.counts: Counter = Counter()  # calls, executed, replayed, joined (asked again while running), error/<kind>
         self.seconds = 0.0  # wall time of the calls executed
         self._loop: Optional[_ToolLoop] = None
+        self._running: dict[str, asyncio.Future] = {}  # calls under way, by id
+        # Seconds a call takes beyond its tool's own time (agent.tool_delay_s), by call id.
+        self.delay = delay
 
     async def answer(self, calls: list[Parsed]) -> list[ToolResult]:
         """Each call's result, in the order of ``calls``."""
@@ -94,8 +98,24 @@ class ToolBox:
         if done is not None:
             self.counts["replayed"] += 1
             return done
+        running = self._running.get(call.id)
+        if running is None:
+            # Its own task: a caller cancelled (its episode's engine was lost, the run stopped)
+            # does not cancel the call, whose result is still recorded, and a caller that asks
+            # again while it runs waits for it instead of making it twice.
+            running = self._running[call.id] = asyncio.ensure_future(self._made(call))
+        else:
+            self.counts["joined"] += 1
+        return await asyncio.shield(running)
+
+    async def _made(self, call: Parsed) -> ToolResult:
         t0 = time.monotonic()
-        result = replace(await self._run(call), seconds=time.monotonic() - t0)
+        try:
+            if self.delay is not None:
+                await asyncio.sleep(self.delay(call.id))
+            result = replace(await self._run(call), seconds=time.monotonic() - t0)
+        finally:
+            self._running.pop(call.id, None)
         self.seconds += result.seconds
         if result.error is not None:
             self.counts[f"error/{result.error}"] += 1

@@ -471,6 +471,11 @@ class TinyModelSpec(_Frozen):
     """MLP width."""
     max_positions: int = Field(512, ge=16, le=MAX_TOKENS)
     """Longest prompt + response the model takes."""
+    tool_tokens: bool = False
+    """The tokenizer has ``<tool_call>``, ``</tool_call>``, ``<tool_response>`` and
+    ``</tool_response>`` as tokens of their own (docs/agents.md), as a chat model's has: agent
+    episodes need ``</tool_call>`` as one token to end a turn. Changes the vocabulary, so the
+    weights too."""
 
 
 class TaskSpec(_Frozen):
@@ -661,6 +666,13 @@ class SpreadSpec(_Frozen):
     """The least a draw may be."""
     high: Optional[float] = Field(None, ge=0)
     """The most a draw may be; None: no ceiling."""
+
+    def draw(self, rng, n: int):
+        """``n`` draws (a numpy array) from ``rng``, a ``numpy.random.Generator``."""
+        import numpy as np  # config is read where numpy is not otherwise needed
+
+        draws = self.median * np.exp(self.sigma * rng.standard_normal(n))
+        return np.clip(draws, self.low, np.inf if self.high is None else self.high)
 
     @model_validator(mode="after")
     def _ordered(self) -> "SpreadSpec":
@@ -1048,6 +1060,9 @@ class Scenario(_Frozen):
         for name in names:
             if names.count(name) > 1:
                 raise ConfigError("tools.name", name, "names two tools", "give each tool a name of its own")
+        if self.episodes is not None and self.runtime != "sim" and self.model.path is None and not self.tiny_model.tool_tokens:
+            raise ConfigError("tiny_model.tool_tokens", False, "agent episodes end a model turn at </tool_call>, one token, and "
+                              "the tiny model's tokenizer has none", "set tiny_model.tool_tokens: true")
         if self.tools and self.runtime == "sim":
             raise ConfigError("tools", [t.name for t in self.tools], "the sim runtime models tool calls by agent.tool_delay_s and "
                               "agent.observation_tokens, and runs no tool", "remove tools, or use runtime: local or ray")

@@ -26,6 +26,7 @@ from core.model.bounded_parse import loads_json
 from core.model.config import TINY_MODEL_KIND, TinyModelSpec
 from core.model.owned import NotOwned, discard_owned, is_owned, make_owned, remove_owned
 from core.model.regular_file import UnreadableFile, read_regular
+from core.agent.tool_call import CLOSE, OPEN, RESPONSE_CLOSE, RESPONSE_OPEN
 from core.real.task import EOS, PAD, BOS, SPECIAL, corpus
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 # Bumped when the layout changes, so a directory built by an older version is rebuilt.
 BUILD_VERSION = 1
 STAMP = "asyncrl-tiny-model.json"
+TAGS = (OPEN, CLOSE, RESPONSE_OPEN, RESPONSE_CLOSE)  # tiny_model.tool_tokens
 
 
 def quiet_transformers() -> None:
@@ -60,7 +62,9 @@ def build(out: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
     try:
         tok = Tokenizer(models.WordLevel(unk_token=PAD))
         tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        trainer = trainers.WordLevelTrainer(special_tokens=list(SPECIAL), min_frequency=1)
+        # The tags are special: matched in text before it is split at spaces, as a chat model's are.
+        tags = list(TAGS) if spec.tool_tokens else []
+        trainer = trainers.WordLevelTrainer(special_tokens=list(SPECIAL) + tags, min_frequency=1)
         tok.train_from_iterator(corpus(4096, spec.seed), trainer=trainer)
         fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, bos_token=BOS)
         fast.save_pretrained(tmp)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import zlib
 from typing import Optional
+
+import numpy as np
 
 from core.agent.loop import Limits, ToolLoop, TurnCodec
 from core.agent.tool_call import CLOSE
@@ -29,4 +32,12 @@ def make_agent(sc: Scenario, task: Task) -> Optional[AgentLoop]:
                           f"fix: use a model whose tokenizer has {CLOSE} as a token (Qwen2.5's has), or build the tiny model with tiny_model.tool_tokens: true")
     codec = TurnCodec(ids[0], task.eos_ids, task.encode, task.decode)
     limits = Limits(spec.max_turns, spec.max_tool_calls, spec.max_episode_tokens or sc.real_max_positions)
-    return ToolLoop(ToolBox(build_tools(sc.tools)), codec, limits)
+    delay = spec.tool_delay_s
+    seed = sc.seed
+
+    def delay_s(call_id: str) -> float:
+        # Drawn from the call's id: a call made again after an interruption waits as long.
+        return float(delay.draw(np.random.default_rng([seed, zlib.crc32(call_id.encode())]), 1)[0])
+
+    box = ToolBox(build_tools(sc.tools), delay=delay_s if delay.median > 0 or delay.low > 0 else None)
+    return ToolLoop(box, codec, limits)

@@ -18,6 +18,7 @@ from core.real.evaluation import Evaluations
 from core.real.reward import TaskPrompts, TaskReward, make_task
 from core.real.hf_model import ensure_model_dir
 from core.real.workers import LocalWeightTransfer, apply_env, make_backend, make_engine
+from core.runtimes.agent import make_agent
 from core.runtimes.inproc import connect_inproc, drive
 from core.runtimes.run_checkpoint import restore_latest
 from core.sim.workload import Workload
@@ -38,7 +39,7 @@ def local_workers(plan: RunPlan, timeline: Timeline) -> Workers:
     task = make_task(sc)
     return Workers(
         engines, backend, LocalWeightTransfer(backend), TaskPrompts(task), TaskReward(task),
-        spread=Workload(sc.workload, sc.seed).reward_spread,
+        spread=Workload(sc.workload, sc.seed).reward_spread, agent=make_agent(sc, task),
     )
 
 

@@ -323,6 +323,9 @@ class _Watch:
             faults.records.append(rec)
         faults.records.sort(key=lambda r: r.at_s)
         node_recoveries(faults, self.lost_nodes)
+        agent = rolled["agent"]
+        if agent is not None:  # onto this clock, as the rollout actor's spans
+            agent["tool_spans"] = {w: [[a + dt_r, b + dt_r] for a, b in rows] for w, rows in agent["tool_spans"].items()}
         return RunResult(
             scenario=self.sc,
             mode=self.mode,
@@ -341,6 +344,7 @@ class _Watch:
             evaluations=self.evals.results,
             clock_offsets_s={"rollouter": run.off_rollout, "trainer": run.off_trainer, **run.off_engines},
             nodes=run.nodes,
+            agent=agent,
         )
 
 

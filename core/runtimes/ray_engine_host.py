@@ -48,6 +48,10 @@ class EngineHost(ActorIdentity):
         await self._take_tokens(group, payload)
         t0 = asyncio.get_running_loop().time()
         completed = await self.engine.generate(group, max_response_len, stop_ids)
+        if stop_ids:
+            # An agent's turn: the loop, in the rollout actor, holds the episode's tokens (sent
+            # back with every turn) and scores the episode once it ends.
+            return (completed, group.without_tokens()), encode_tokens(group)
         if completed and self._slow is not None:
             # A slowed worker: what overlapped the interval took ``factor`` times as long.
             factor, lo, hi = self._slow
@@ -64,8 +68,11 @@ class EngineHost(ActorIdentity):
         return (completed, group.without_tokens()), encode_tokens(group)
 
     async def _take_tokens(self, group: Group, payload: list) -> None:
-        """Give a resumed group its partial tokens: those kept here (no transfer), else fetched."""
+        """Give a resumed group its partial tokens: those kept here (no transfer), else fetched;
+        an agent's episode brings its own (a tool's answers joined them in the rollout actor)."""
         if not any(s.n_response for s in group.samples):
+            return
+        if all(len(s.response_tokens) == s.n_response for s in group.samples):
             return
         held = self._held.pop(group.prompt_id, None)
         if held is not None and all(h.n_response == s.n_response for h, s in zip(held.samples, group.samples)):
@@ -140,8 +147,11 @@ class EngineHost(ActorIdentity):
 class EngineProxy(Engine):
     """The engine protocol, forwarded to an ``EngineHost`` actor."""
 
-    def __init__(self, name: str, handle: Any, offset: float, pid: int = 0) -> None:
+    def __init__(self, name: str, handle: Any, offset: float, pid: int = 0, tokens_here: bool = False) -> None:
         self.name = name
+        # Agent episodes: each turn's tokens come back to this process, where the loop reads the
+        # model's calls and appends the tools' answers, and go out with the next turn.
+        self.tokens_here = tokens_here
         self.handle = handle
         self.offset = offset  # actor clock minus this process's clock
         self.pid = pid  # of the actor's current process: a restart changes it
@@ -177,6 +187,9 @@ class EngineProxy(Engine):
             raise
         done.shift_times(-self.offset)
         group.take_generation(done)
+        if self.tokens_here:
+            attach_tokens(group, await self._answer(tokens, "generate"))
+            return completed
         group.payload = tokens
         if completed:
             for mine, theirs in zip(group.samples, done.samples):

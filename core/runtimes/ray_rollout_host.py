@@ -19,7 +19,8 @@ from core.model.result import EngineCounters
 from core.model.sample import Group
 from core.model.timeline import Timeline
 from core.pipeline.wiring import Workers, connect_rollout, end_rollout, make_ledger, make_queue, producer_in_flight
-from core.real.reward import EngineReward, ServeReward, TaskPrompts, make_task
+from core.real.reward import EngineReward, ServeReward, TaskPrompts, TaskReward, make_task
+from core.runtimes.agent import make_agent
 from core.runtimes.ray_actor import ActorIdentity, died, ray_module, timed
 from core.runtimes.ray_checkpoint import load_rollout_side, save_rollout_side
 from core.runtimes.ray_engine_host import EngineProxy
@@ -40,6 +41,7 @@ class RolloutHost(ActorIdentity):
         self.trainer: Any = None  # the trainer actor, once it is up (``weights_from``)
         self._get: Optional[asyncio.Task] = None
         self.zero = 0.0  # this clock at run time 0 (checkpoints hold run times)
+        self.agents = False  # agent episodes: their tokens are held here (connect)
         # The driver's faults (it kills the trainer): which fired, and its records, for the checkpoint.
         self.driver_fired: list[int] = []
         self.driver_records: list[dict] = []
@@ -53,9 +55,16 @@ class RolloutHost(ActorIdentity):
         are: in the engine actor, or by the Serve deployment from the reference."""
         sc = self.sc
         task = make_task(sc)  # the tokenizer: this actor is on the driver's node, which sees the model
-        proxies = [EngineProxy(name, h, off, pid) for name, h, off, pid in engines]
-        reward = ServeReward(reward_handle, sc.timeouts.control_s) if reward_handle is not None else EngineReward()
-        workers = Workers(proxies, backend=None, transfer=None, prompts=TaskPrompts(task), reward=reward)
+        # Agent episodes run here, tools and all: a tool's record outlives an engine's death.
+        # Their tokens come here with each turn, and they are scored here once they end.
+        agent = make_agent(sc, task)
+        self.agents = agent is not None
+        proxies = [EngineProxy(name, h, off, pid, tokens_here=self.agents) for name, h, off, pid in engines]
+        if reward_handle is not None:
+            reward = ServeReward(reward_handle, sc.timeouts.control_s)
+        else:
+            reward = TaskReward(task) if self.agents else EngineReward()
+        workers = Workers(proxies, backend=None, transfer=None, prompts=TaskPrompts(task), reward=reward, agent=agent)
         self.ledger = make_ledger(self.plan)
         self.queue = make_queue(self.plan, self.run_dir)
         self.faults = FaultLog()
@@ -119,6 +128,8 @@ class RolloutHost(ActorIdentity):
         c = g.without_tokens()
         if g.payload is not None:
             attach_tokens(c, await g.payload)
+        else:  # an agent's episode holds its tokens here
+            c.take_generation(g)
         c.shift_times(-self.zero)
         return c
 
@@ -131,6 +142,8 @@ class RolloutHost(ActorIdentity):
 
         def live(g: Group) -> Group:
             g.shift_times(z)
+            if self.agents:  # episodes keep their tokens here
+                return g
             m = g.without_tokens()
             m.payload = ray.put(encode_tokens(g))
             return m
@@ -227,6 +240,7 @@ class RolloutHost(ActorIdentity):
             "queue_counters": self.queue.counters(),
             "in_flight": producer_in_flight(self.rollouter, self.queue, self.sc.workload.group_size),
             "faults": self.faults.state(),
+            "agent": self.rollouter.agent.state() if self.rollouter.agent is not None else None,
         }
 
 
@@ -274,12 +288,14 @@ class QueueProxy:
 
     async def get_batch(self, n: int) -> Batch:
         """The groups' metadata from the rollout actor, their tokens from where the engines put
-        them (by reference, mapped without a copy)."""
+        them (by reference, mapped without a copy), or, for agent episodes, with them."""
         groups = await self.handle.get_batch.remote(n)
-        tokens = await asyncio.gather(*(g.payload for g in groups))
-        for g, buf in zip(groups, tokens):
+        by_ref = [g for g in groups if g.payload is not None]  # an agent's episode brings its tokens along
+        tokens = await asyncio.gather(*(g.payload for g in by_ref))
+        for g, buf in zip(by_ref, tokens):
             attach_tokens(g, buf)
             g.payload = None  # the tokens are here now
+        for g in groups:
             g.shift_times(-self.offset)
         return Batch(groups)
 

@@ -13,7 +13,7 @@ import numpy as np
 from dataclasses import dataclass
 from typing import Optional
 
-from core.model.config import AgentSpec, SpreadSpec, WorkloadSpec
+from core.model.config import AgentSpec, WorkloadSpec
 from core.model.length_file import read_lengths
 
 _BLOCK = 1024
@@ -31,11 +31,6 @@ class EpisodePlan:
     answers: tuple[int, ...]  # tokens of each call's answer (one per turn but the last)
     tool_s: tuple[float, ...]  # seconds each call takes
     reason: str  # how the episode ends (core/agent/loop.py END_REASONS)
-
-
-def _spread(rng: np.random.Generator, spec: SpreadSpec, n: int) -> np.ndarray:
-    draws = spec.median * np.exp(spec.sigma * rng.standard_normal(n))
-    return np.clip(draws, spec.low, np.inf if spec.high is None else spec.high)
 
 
 class Workload:
@@ -99,8 +94,8 @@ class Workload:
         length = int(self.response_lengths(prompt_id)[index])
         rng = np.random.default_rng([self.seed, prompt_id, index, 2])
         turns = min(int(rng.integers(a.min_turns, a.max_turns + 1)), length)
-        answers = np.maximum(np.rint(_spread(rng, a.observation_tokens, turns - 1)), 1).astype(np.int64).tolist()
-        tool_s = _spread(rng, a.tool_delay_s, turns - 1).tolist()
+        answers = np.maximum(np.rint(a.observation_tokens.draw(rng, turns - 1)), 1).astype(np.int64).tolist()
+        tool_s = a.tool_delay_s.draw(rng, turns - 1).tolist()
         reason = "eos"
         if turns - 1 > a.max_tool_calls:
             turns, reason = a.max_tool_calls + 1, "max_tool_calls"
