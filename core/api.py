@@ -86,11 +86,9 @@ class AgentLoop(Protocol):
     def forget(self, groups: Sequence[Group]) -> None:
         """The groups are done with (queued or dropped): their episodes' records may go."""
 
-    def counters(self) -> dict:
-        """What the report shows of the episodes (empty for single completions)."""
-
     def state(self) -> dict:
-        """What a checkpoint keeps (taken while rollout is paused)."""
+        """What a checkpoint keeps (taken while rollout is paused), and what the report reads
+        (``RunResult.agent``)."""
 
     def restore(self, state: dict) -> None: ...
 

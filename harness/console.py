@@ -241,8 +241,8 @@ def agent_lines(summary: dict) -> list[str]:
         calls = row["agent/tool_calls"]
         per_call = row["agent/tool_s"] / calls if calls else 0.0
         masked = row["tokens/masked_observation"] / row["tokens/trained_response"] if row["tokens/trained_response"] else 0.0
-        said.setdefault(f"{row['agent/turns_per_episode']:.1f} turns an episode, {calls:,} tool calls of {per_call:.2f} s on average, "
-                        f"{row['agent/tool_errors']:,} errors; {100 * masked:.0f} % of trained response tokens are tool answers "
+        said.setdefault(f"{row['agent/turns_per_episode']:.1f} turns an episode, {calls:,.0f} tool calls of {per_call:.2f} s on average, "
+                        f"{row['agent/tool_errors']:,.0f} errors; {100 * masked:.0f} % of trained response tokens are tool answers "
                         "(masked out of the loss).", []).append(mode)
     for line, modes in said.items():
         who = "Every mode" if len(modes) == len(rows) else ", ".join(modes)

@@ -167,3 +167,23 @@ def test_an_agent_without_tools_is_refused_off_the_sim_and_tools_are_refused_on_
         Scenario(agent={"min_turns": 9, "max_turns": 8})
     assert issubclass(ConfigError, ValueError)
     assert np.isfinite(Scenario(agent={}).episodes.tool_delay_s.median)
+
+
+def test_idle_on_tools_is_tool_time_no_busy_span_covers():
+    from harness.metrics import _uncovered
+
+    busy = [(0.0, 2.0), (3.0, 4.0), (6.0, 9.0)]
+    assert _uncovered([[1.0, 5.0]], busy) == pytest.approx(2.0)  # 2-3 and 4-5
+    assert _uncovered([[0.5, 1.5], [2.5, 3.5], [9.5, 10.0]], busy) == pytest.approx(0.5 + 0.5)
+    assert _uncovered([[4.0, 6.0]], busy) == pytest.approx(2.0)
+    assert _uncovered([], busy) == 0.0 and _uncovered([[0.0, 1.0]], []) == 1.0
+    rng = np.random.default_rng(0)
+    for _ in range(50):  # against a fine grid
+        edges = np.sort(rng.uniform(0, 10, 8))
+        b = [(edges[i], edges[i + 1]) for i in range(0, 8, 2)]
+        cuts = np.sort(rng.uniform(0, 10, 6))
+        t = [[cuts[i], cuts[i + 1]] for i in range(0, 6, 2)]
+        grid = np.linspace(0, 10, 100_001)[:-1] + 5e-5
+        inside = lambda sp: np.any([(grid >= a) & (grid < c) for a, c in sp], axis=0)
+        want = np.sum(inside(t) & ~inside(b)) * 1e-4
+        assert _uncovered(t, b) == pytest.approx(want, abs=2e-3)

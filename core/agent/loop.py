@@ -22,7 +22,6 @@ episode stops at the turn boundary (``interrupted()``) and resumes after the syn
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -33,8 +32,6 @@ from core.agent.tool_call import CLOSE, OPEN, MalformedCall, Parsed, call_id, pa
 from core.agent.tools import ToolBox, ToolResult
 from core.api import AgentLoop, Engine
 from core.model.sample import Group, Sample
-
-log = logging.getLogger(__name__)
 
 # Why an episode ended: the model stopped (<eos>); it reached the response cap; a call would
 # have taken it past max_turns, max_tool_calls or the context of max_episode_tokens.
