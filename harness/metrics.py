@@ -208,9 +208,11 @@ def collect(
 
 
 def agent_metrics(result: RunResult, gpu_s: float) -> dict:
-    """Agent episodes: how they ended, their turns and tool calls, and the GPU time that engines
+    """Agent episodes: how they ended, their turns and tool calls, the GPU time that engines
     stood idle while a tool ran for one of their episodes (``gpu_time/waiting_on_tools``, a
-    share of all GPU time, inside ``gpu_time/idle``)."""
+    share of all GPU time, inside ``gpu_time/idle``), and on the real runtimes the share of
+    responses that earned any reward over the first and the last ``learn.reward_window`` steps
+    (on the arithmetic task, those that called the tool right)."""
     a = result.agent
     ended = {k.removeprefix("ended/"): n for k, n in a["ended"].items()}
     episodes = sum(ended.values())
@@ -230,6 +232,11 @@ def agent_metrics(result: RunResult, gpu_s: float) -> dict:
         "gpu_time/waiting_on_tools": idle_gpu_s / gpu_s if gpu_s else 0.0,
     }
     out.update({f"agent/ended_{k}": n for k, n in sorted(ended.items())})
+    shares = [i["reward_positive_share"] for i in result.trainer.step_info if "reward_positive_share" in i]
+    if shares:  # real runtimes: the trainer saw the rewards
+        w = result.scenario.learn.reward_window
+        out["agent/reward_positive_first"] = float(np.mean(shares[:w]))
+        out["agent/reward_positive_last"] = float(np.mean(shares[-w:]))
     return out
 
 

@@ -16,6 +16,7 @@ answers it with an error response and the episode goes on.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Union
@@ -25,6 +26,9 @@ from core.model.bounded_parse import loads_json
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 MAX_CALL_CHARS = 8192  # a call's JSON: longer is malformed, not parsed
+# The calculator's call around its expression, as json.dumps writes it: the arithmetic
+# vocabulary of the tiny model has each as one token.
+CALCULATOR_HEAD, CALCULATOR_TAIL = json.dumps({"name": "calculator", "arguments": {"expression": "\0"}}).split("\\u0000")
 _CALL = re.compile(re.escape(OPEN) + r"(.*?)(" + re.escape(CLOSE) + r"|$)", re.DOTALL)
 
 

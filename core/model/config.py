@@ -476,11 +476,28 @@ class TinyModelSpec(_Frozen):
     ``</tool_response>`` as tokens of their own (docs/agents.md), as a chat model's has: agent
     episodes need ``</tool_call>`` as one token to end a turn. Changes the vocabulary, so the
     weights too."""
+    vocabulary: Literal["letters", "arithmetic"] = "letters"
+    """`letters`: words of the letters task, split at spaces. `arithmetic`: the calculator task's
+    (``task.kind: arithmetic``): one token per digit and operator, the tool tags and the
+    calculator call's JSON around its expression, decoded by joining tokens without spaces."""
+    warm_start_steps: int = Field(0, ge=0, le=100_000)
+    """`arithmetic`: supervised steps on demonstrations of the calculator task (a call with the
+    prompt's expression, then its answer copied) after the random initialisation, as agent
+    recipes start from a model that has seen the tool's format; 0: none. Deterministic in
+    ``seed``; demonstrations come from a stream apart from the training and held-out prompts."""
 
 
 class TaskSpec(_Frozen):
     """The verifiable task of the real runtimes (core/real/task.py): repeat letters of the prompt, then stop.
     Read by: the local and ray runtimes."""
+
+    kind: Literal["letters", "arithmetic"] = "letters"
+    """`letters`: repeat letters of the prompt, then stop. `arithmetic`: a product of two
+    ``digits``-digit numbers (``37*48=``), which the model gets right by calling the calculator
+    and copying its answer (reward 1; 0.25 for a correct call whose answer it did not copy;
+    needs ``tiny_model.vocabulary: arithmetic`` and the calculator among ``tools``)."""
+    digits: int = Field(2, ge=1, le=6)
+    """`arithmetic`: digits of each operand."""
 
     alphabet: int = Field(8, ge=1, le=26)
     """Prompts draw their letters from the first this many of a-z; the tokenizer knows all 26 (the rest are distractors)."""
@@ -1060,7 +1077,21 @@ class Scenario(_Frozen):
         for name in names:
             if names.count(name) > 1:
                 raise ConfigError("tools.name", name, "names two tools", "give each tool a name of its own")
-        if self.episodes is not None and self.runtime != "sim" and self.model.path is None and not self.tiny_model.tool_tokens:
+        tm = self.tiny_model
+        if self.task.kind == "arithmetic" and self.runtime != "sim":
+            if self.model.path is None and tm.vocabulary != "arithmetic":
+                raise ConfigError("tiny_model.vocabulary", tm.vocabulary, "the arithmetic task's digits and calls need the arithmetic vocabulary",
+                                  "set tiny_model.vocabulary: arithmetic")
+            if not any(t.name == "calculator" and t.fn is None for t in self.tools):
+                raise ConfigError("tools", [t.name for t in self.tools], "the arithmetic task is solved with the calculator, and it is not among the tools",
+                                  "add {name: calculator} to tools")
+        if self.episodes is not None and self.eval.every:
+            raise ConfigError("eval.every", self.eval.every, "held-out evaluation runs single completions, not agent episodes",
+                              "set eval.every: 0 (the training reward is the agent's measure for now)")
+        if tm.warm_start_steps and tm.vocabulary != "arithmetic":
+            raise ConfigError("tiny_model.warm_start_steps", tm.warm_start_steps, "warm starts demonstrate the arithmetic task",
+                              "set tiny_model.vocabulary: arithmetic, or warm_start_steps: 0")
+        if self.episodes is not None and self.runtime != "sim" and self.model.path is None and not tm.tool_tokens and tm.vocabulary == "letters":
             raise ConfigError("tiny_model.tool_tokens", False, "agent episodes end a model turn at </tool_call>, one token, and "
                               "the tiny model's tokenizer has none", "set tiny_model.tool_tokens: true")
         if self.tools and self.runtime == "sim":

@@ -549,6 +549,8 @@ class TorchTrainBackend(TrainBackend):
         return {
             "loss": float(np.mean(losses)) if losses else 0.0,
             "reward_mean": float(np.mean(rewards)) if rewards else 0.0,
+            # Responses that earned any reward: on the arithmetic task, those that called the tool right.
+            "reward_positive_share": float(np.mean(np.asarray(rewards) > 0)) if rewards else 0.0,
             "is_weight_mean": acc["is_weight_sum"] / ntok,
             "is_truncated_frac": acc["is_truncated"] / ntok,
             "masked_frac": acc["masked"] / ntok,

@@ -26,7 +26,7 @@ from core.model.prompt_file import read_prompts
 from core.model.reward_fn import GuardedReward, load_reward_fn
 from core.model.user_code import UserCodeError
 from core.real.hf_model import load_tokenizer
-from core.real.task import FilePrompts, LetterPrompts, LetterScore, Task, exact_match
+from core.real.task import ArithmeticPrompts, FilePrompts, LetterPrompts, LetterScore, Task, arithmetic_score, exact_match
 
 
 def make_task(sc: Scenario) -> Task:
@@ -41,7 +41,9 @@ def task_from(t: TaskSpec, seed: int, model_dir, reward: Optional[RewardSpec] = 
     else by the task's own reward. A response ends at the tokenizer's or the model config's
     end-of-sequence token; a file's prompts leave it ``max_response_len`` of ``max_positions``."""
     tok = load_tokenizer(model_dir)
-    if t.prompts is None:
+    if t.kind == "arithmetic":
+        prompts = ArithmeticPrompts(seed, t.digits)
+    elif t.prompts is None:
         prompts = LetterPrompts(seed, t.alphabet, t.min_letters, t.max_letters)
     else:
         held_out = read_prompts(t.eval_prompts) if t.eval_prompts is not None else None
@@ -49,6 +51,8 @@ def task_from(t: TaskSpec, seed: int, model_dir, reward: Optional[RewardSpec] = 
     reward = reward or RewardSpec()
     if reward.fn is not None:
         score = GuardedReward(load_reward_fn(reward.fn, reward.timeout_s), reward.fn, reward.timeout_s)
+    elif t.kind == "arithmetic":
+        score = arithmetic_score
     elif t.prompts is not None:
         score = exact_match
     else:

@@ -36,6 +36,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from core.agent.tool_call import RESPONSE_CLOSE, RESPONSE_OPEN
 from core.model.prompt_file import PromptRow
 from core.model.reward_fn import REWARD_FAILED
 from core.model.user_code import UserCodeError
@@ -105,6 +106,51 @@ class FilePrompts:
         """'line 4 of task.prompts': the row's place in its file."""
         row = self._row(prompt_id, held_out)
         return f"{row.where} of {'task.eval_prompts' if held_out else 'task.prompts'}" if row.where else ""
+
+
+class ArithmeticPrompts:
+    """The arithmetic task's prompts: ``a*b=`` of two ``digits``-digit numbers, deterministic per
+    (seed, prompt id); the answer is the product. Warm-start demonstrations (``stream``
+    ``WARM_STREAM``) never meet the training or held-out prompts' streams."""
+
+    def __init__(self, seed: int, digits: int) -> None:
+        self.seed = seed
+        self.digits = digits
+
+    def operands(self, prompt_id: int, stream: int) -> tuple[int, int]:
+        lo, hi = 10 ** (self.digits - 1), 10 ** self.digits
+        a, b = np.random.default_rng([self.seed, stream, prompt_id]).integers(lo, hi, size=2)
+        return int(a), int(b)
+
+    def text(self, prompt_id: int, held_out: bool = False) -> str:
+        a, b = self.operands(prompt_id, EVAL_STREAM if held_out else 0)
+        return f"{a}*{b}{SEP}"
+
+    def answer(self, prompt_id: int, held_out: bool = False) -> Optional[str]:
+        a, b = self.operands(prompt_id, EVAL_STREAM if held_out else 0)
+        return str(a * b)
+
+    def where(self, prompt_id: int, held_out: bool = False) -> str:
+        return repr(self.text(prompt_id, held_out))
+
+
+WARM_STREAM = 13
+# The arithmetic reward of a correct call whose answer the response did not copy: the share of
+# episodes that call the tool right is a signal of its own, before the copy is learned.
+CALLED_RIGHT = 0.25
+
+
+def arithmetic_score(prompt: str, response: str, answer: Optional[str], finished: bool) -> float:
+    """1 for a response that ended with the answer after its last tool answer (the text the model
+    wrote itself); ``CALLED_RIGHT`` if a tool answered the answer but the response did not end
+    with it; else 0."""
+    if answer is None:
+        return 0.0
+    tail = response.rsplit(RESPONSE_CLOSE, 1)[-1]
+    if finished and tail.strip() == answer:
+        return 1.0
+    answered = [part.split(RESPONSE_CLOSE, 1)[0].strip() for part in response.split(RESPONSE_OPEN)[1:]]
+    return CALLED_RIGHT if answer in answered else 0.0
 
 
 @lru_cache(maxsize=4)

@@ -26,8 +26,9 @@ from core.model.bounded_parse import loads_json
 from core.model.config import TINY_MODEL_KIND, TinyModelSpec
 from core.model.owned import NotOwned, discard_owned, is_owned, make_owned, remove_owned
 from core.model.regular_file import UnreadableFile, read_regular
-from core.agent.tool_call import CLOSE, OPEN, RESPONSE_CLOSE, RESPONSE_OPEN
+from core.agent.tool_call import CALCULATOR_HEAD, CALCULATOR_TAIL, CLOSE, OPEN, RESPONSE_CLOSE, RESPONSE_OPEN
 from core.real.task import EOS, PAD, BOS, SPECIAL, corpus
+from core.real.warm_start import warm_start
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +61,15 @@ def build(out: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = make_owned(out.parent, f".{out.name}.", TINY_MODEL_KIND)
     try:
-        tok = Tokenizer(models.WordLevel(unk_token=PAD))
-        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        # The tags are special: matched in text before it is split at spaces, as a chat model's are.
-        tags = list(TAGS) if spec.tool_tokens else []
-        trainer = trainers.WordLevelTrainer(special_tokens=list(SPECIAL) + tags, min_frequency=1)
-        tok.train_from_iterator(corpus(4096, spec.seed), trainer=trainer)
+        if spec.vocabulary == "arithmetic":
+            tok = arithmetic_tokenizer()
+        else:
+            tok = Tokenizer(models.WordLevel(unk_token=PAD))
+            tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+            # The tags are special: matched in text before it is split at spaces, as a chat model's are.
+            tags = list(TAGS) if spec.tool_tokens else []
+            trainer = trainers.WordLevelTrainer(special_tokens=list(SPECIAL) + tags, min_frequency=1)
+            tok.train_from_iterator(corpus(4096, spec.seed), trainer=trainer)
         fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, bos_token=BOS)
         fast.save_pretrained(tmp)
         vocab = tok.get_vocab_size()
@@ -86,6 +90,8 @@ def build(out: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
         )
         torch.manual_seed(spec.seed)
         model = Qwen2ForCausalLM(cfg)
+        if spec.warm_start_steps:
+            warm_start(model, fast, spec.warm_start_steps, spec.seed)
         model.save_pretrained(tmp)
         (tmp / STAMP).write_text(json.dumps({"build": BUILD_VERSION, "spec": _built_from(spec)}, sort_keys=True))
         remove_owned(out, TINY_MODEL_KIND)  # an older build of ours; anything else at that path is the user's
@@ -95,6 +101,20 @@ def build(out: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
         raise
     log.info("built tiny model in %s (%d parameters)", out, sum(p.numel() for p in model.parameters()))
     return out
+
+
+def arithmetic_tokenizer():
+    """The arithmetic vocabulary: one token per digit and operator, the tool tags and the
+    calculator call's JSON around its expression (matched first, as a chat model's tags are),
+    decoded by joining tokens as they are: ``<tool_call>{...}</tool_call>`` parses."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    symbols = list(SPECIAL) + list(TAGS) + [CALCULATOR_HEAD, CALCULATOR_TAIL] + list("0123456789+-*/().=") + [" "]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(symbols)}, unk_token=PAD))
+    tok.add_special_tokens(list(SPECIAL) + list(TAGS) + [CALCULATOR_HEAD, CALCULATOR_TAIL])
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return tok
 
 
 def is_built(out: str | Path, spec: TinyModelSpec) -> bool:
