@@ -78,10 +78,14 @@ class AgentLoop(Protocol):
     logprobs, a version per token) or an observation a tool wrote (context, never trained:
     ``Sample.add_observation``), and a reward at the end (core/agent/loop.py)."""
 
-    async def run(self, group: Group, engine: Engine, max_response_len: int, interrupted: Callable[[], bool]) -> bool:
+    async def run(self, group: Group, engine: Engine, max_response_len: int, cut: asyncio.Event) -> bool:
         """Drive every unfinished sample of ``group`` to the end of its episode on ``engine``;
-        False if interrupted first (the engine aborted, or ``interrupted()`` true at a turn
-        boundary), every finished turn and recorded tool result kept on the samples."""
+        False if interrupted first: the engine aborted, or ``cut`` set (a sync that aborts, the
+        run's end) at a turn boundary or while the episode waited on its tools, which go on and
+        are recorded. Every finished turn and answered call is kept on the samples."""
+
+    async def settle(self) -> None:
+        """Wait for the tool calls still running (the run's end: none is left unrecorded)."""
 
     def forget(self, groups: Sequence[Group]) -> None:
         """The groups are done with (queued or dropped): their episodes' records may go."""

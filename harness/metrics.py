@@ -216,7 +216,8 @@ def agent_metrics(result: RunResult, gpu_s: float) -> dict:
     a = result.agent
     ended = {k.removeprefix("ended/"): n for k, n in a["ended"].items()}
     episodes = sum(ended.values())
-    errors = sum(n for k, n in a.get("box", {}).get("counts", {}).items() if k.startswith("error/"))
+    counts = a.get("box", {}).get("counts", {})
+    errors = sum(n for k, n in counts.items() if k.startswith("error/"))
     idle = 0.0
     for e in result.engines:
         busy = [(a0, b0) for kind, a0, b0 in result.timeline.spans.get(e.name, ()) if kind == GENERATE]
@@ -232,6 +233,9 @@ def agent_metrics(result: RunResult, gpu_s: float) -> dict:
         "gpu_time/waiting_on_tools": idle_gpu_s / gpu_s if gpu_s else 0.0,
     }
     out.update({f"agent/ended_{k}": n for k, n in sorted(ended.items())})
+    if "box" in a:  # real runtimes: calls executed, and those answered from the record instead
+        out["agent/tool_calls_executed"] = counts.get("executed", 0)
+        out["agent/tool_calls_replayed"] = counts.get("replayed", 0) + counts.get("joined", 0)
     shares = [i["reward_positive_share"] for i in result.trainer.step_info if "reward_positive_share" in i]
     if shares:  # real runtimes: the trainer saw the rewards
         w = result.scenario.learn.reward_window

@@ -50,3 +50,16 @@ def positional_only(x, /) -> str:
 async def async_raises() -> str:
     await asyncio.sleep(0)
     raise RuntimeError("the async tool broke")
+
+
+def calculator_counting_calls(expression: str, call_id: str) -> str:
+    """The built-in calculator, and a line with the call's id appended to the file that
+    ``ASYNCRL_TEST_CALL_LOG`` names, at each execution: a count of executions that no process
+    of the run keeps (Ray actors restart, a resumed run is a new process)."""
+    import os
+
+    from core.agent.calculator import calculate
+
+    with open(os.environ["ASYNCRL_TEST_CALL_LOG"], "a") as f:
+        f.write(call_id + "\n")
+    return calculate(expression)

@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+from pathlib import Path
 
 # OpenMP threads that finish a parallel region sleep at once instead of spinning for the next:
 # the suite runs many torch and vLLM processes on 2 cores, where a spinning thread takes a core
@@ -62,8 +63,11 @@ def node_resource(name: str) -> str:
     return f"asyncrl_node_{name}"
 
 
+CALL_LOG = "ASYNCRL_TEST_CALL_LOG"  # tests/agent_tools_user.py calculator_counting_calls
+
+
 @pytest.fixture(scope="session")
-def ray_cluster():
+def ray_cluster(tmp_path_factory):
     """One multi-node Ray test cluster for the whole test session (``ray.cluster_utils.Cluster``:
     several raylets on this machine; starting one costs seconds and memory), the driver connected
     to its head; under pytest-xdist (``make test``), one per worker that runs a Ray test. The ray
@@ -75,6 +79,8 @@ def ray_cluster():
 
     for k, v in ENV_VARS.items():
         os.environ.setdefault(k, v)
+    # Where a counting tool in an actor writes: actors see the environment they are started with.
+    os.environ[CALL_LOG] = str(tmp_path_factory.mktemp("calls") / "calls.log")
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "resources": {node_resource("head"): 1}, "include_dashboard": False, "include_log_monitor": False,
         "_system_config": {**LOCAL_SYSTEM_CONFIG, **HEALTH_CHECKS, **QUIET},
@@ -82,7 +88,7 @@ def ray_cluster():
     for name in NODES[1:]:
         cluster.add_node(num_cpus=WORKER_CPUS, resources={node_resource(name): 1})
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, runtime_env={"env_vars": dict(ENV_VARS)}, log_to_driver=False)
+    ray.init(address=cluster.address, runtime_env={"env_vars": {**ENV_VARS, CALL_LOG: os.environ[CALL_LOG]}}, log_to_driver=False)
     yield cluster
     from ray import serve
 
@@ -109,6 +115,28 @@ def ray_session(ray_cluster):
     import ray
 
     return ray
+
+
+@pytest.fixture
+def call_log(tmp_path, monkeypatch):
+    """The file the counting calculator appends each call id it executes to, empty: the
+    session cluster's where it runs (its actors' environment is fixed), else the test's own."""
+    path = Path(os.environ[CALL_LOG]) if CALL_LOG in os.environ else tmp_path / "calls.log"
+    monkeypatch.setenv(CALL_LOG, str(path))
+    path.write_text("")
+    return path
+
+
+@pytest.fixture(scope="session")
+def arithmetic_model_dir(tmp_path_factory):
+    """The tiny model of scenarios/real-cpu-agent.yaml: the arithmetic vocabulary and its warm start."""
+    from core.model.config import TinyModelSpec
+    from harness.scenario import load
+    from core.real.tiny_model import ensure
+
+    tm = load("scenarios/real-cpu-agent.yaml").tiny_model
+    spec = TinyModelSpec(vocabulary=tm.vocabulary, warm_start_steps=tm.warm_start_steps)
+    return ensure(tmp_path_factory.mktemp("tiny-arith") / "tiny-qwen2-arithmetic", spec)
 
 
 @pytest.fixture(scope="session")

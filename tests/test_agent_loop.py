@@ -123,15 +123,16 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def never() -> bool:
-    return False
+def never() -> asyncio.Event:
+    """A cut that never comes."""
+    return asyncio.Event()
 
 
 def test_episodes_call_tools_and_the_answers_are_masked():
     loop, tool = make_loop()
     eng = ScriptedEngine(calls_then_answer(lambda uid: uid % 3))  # 0, 1, 2, 0 calls
     g = make_group(4)
-    assert run(loop.run(g, eng, 10_000, never)) is True
+    assert run(loop.run(g, eng, 10_000, never())) is True
     for s in g.samples:
         k = s.uid % 3
         text = decode(s.response_tokens)
@@ -153,27 +154,27 @@ def test_limits_end_episodes_with_a_reason():
     forever = ScriptedEngine(lambda s, k: call(f"{s.uid}-{k}"))  # never answers
     loop, tool = make_loop(max_turns=3)
     g = make_group(2)
-    assert run(loop.run(g, forever, 10_000, never)) is True
+    assert run(loop.run(g, forever, 10_000, never())) is True
     assert all(s.finished and len(s.observations) == 2 for s in g.samples)
     assert loop.counters()["ended/max_turns"] == 2 and sum(tool.runs.values()) == 4
 
     loop, tool = make_loop(max_tool_calls=1)
     g = make_group(2)
-    assert run(loop.run(g, forever, 10_000, never)) is True
+    assert run(loop.run(g, forever, 10_000, never())) is True
     assert loop.counters()["ended/max_tool_calls"] == 2 and sum(tool.runs.values()) == 2
 
     # The context: prompt (2) + a call (~55 tokens) + its answer; a second call does not fit.
     one = len(encode(call("0-0"))) + len(encode(f"{RESPONSE_OPEN}ok 0-0{RESPONSE_CLOSE}"))
     loop, tool = make_loop(max_episode_tokens=2 + one + 20)
     g = make_group(1)
-    assert run(loop.run(g, forever, 10_000, never)) is True
+    assert run(loop.run(g, forever, 10_000, never())) is True
     s = g.samples[0]
     assert s.finished and s.n_prompt + s.n_response <= 2 + one + 20
     assert loop.counters()["ended/max_episode_tokens"] == 1
 
     loop, _ = make_loop()
     g = make_group(1)
-    assert run(loop.run(g, forever, 40, never)) is True  # the response cap binds first
+    assert run(loop.run(g, forever, 40, never())) is True  # the response cap binds first
     assert g.samples[0].n_response == 40 and loop.counters()["ended/max_response_len"] == 1
 
 
@@ -190,7 +191,7 @@ def test_malformed_and_failing_calls_answer_with_errors_and_the_episode_goes_on(
     loop, _ = make_loop(extra=[Tool("boom", boom, 5.0)])
     eng = ScriptedEngine(lambda s, k: scripts[s.uid][k])
     g = make_group(4)
-    assert run(loop.run(g, eng, 10_000, never)) is True
+    assert run(loop.run(g, eng, 10_000, never())) is True
     answers = [decode(s.response_tokens[s.loss_mask() == 0]) for s in g.samples]
     assert "error: not a tool call: not JSON" in answers[0]
     assert "error: no tool named 'nope'" in answers[1]
@@ -203,35 +204,36 @@ def test_malformed_and_failing_calls_answer_with_errors_and_the_episode_goes_on(
 
 @pytest.mark.parametrize("when", ["mid_turn", "tool_running"])
 def test_an_abort_keeps_finished_turns_and_no_call_runs_twice(when):
-    """A sync that aborts lands mid-turn or while a tool runs: the tool finishes and its answer
-    is kept, the episode stops at the turn boundary, and the resumed episode goes on from there."""
-    tool = Counting(delay_s=0.05)
+    """A sync that aborts lands mid-turn or while a tool runs. Mid-turn, the episode stops at
+    the turn boundary; waiting on a tool, at once: the call goes on through the sync, and the
+    resumed episode takes its answer. No answer is lost, no call made twice."""
+    tool = Counting(delay_s=0.3 if when == "tool_running" else 0.05)
     loop, _ = make_loop(tool=tool)
     eng = ScriptedEngine(calls_then_answer(lambda uid: 3), tick_s=0.001)
     g = make_group(4)
-    cut = False
+    cut = asyncio.Event()
 
     async def main():
-        nonlocal cut
-        task = asyncio.create_task(loop.run(g, eng, 10_000, lambda: cut))
+        task = asyncio.create_task(loop.run(g, eng, 10_000, cut))
         if when == "tool_running":
-            while not any(tool.runs.values()) and not eng._live:
-                await asyncio.sleep(0.001)
-            while sum(tool.runs.values()) == 0:  # a first call is running
+            while not loop.box._running:
                 await asyncio.sleep(0.001)
         else:
             while not any(s.n_response > 5 for s in g.samples):
                 await asyncio.sleep(0.001)
-        cut = True
+        cut.set()
         await eng.abort_all()
         first = await task
+        running = len(loop.box._running)
         kept = [s.n_response for s in g.samples]
-        cut = False
-        second = await loop.run(g, eng, 10_000, lambda: cut)
-        return first, kept, second
+        cut.clear()
+        second = await loop.run(g, eng, 10_000, cut)
+        return first, running, kept, second
 
-    first, kept, second = run(main())
+    first, running, kept, second = run(main())
     assert first is False and second is True
+    if when == "tool_running":
+        assert running > 0, "the cut waited for the tools"
     for s in g.samples:
         assert decode(s.response_tokens).endswith(f"answer {s.uid}<eos>") and len(s.observations) == 3
         # No answer is lost: each of the 3 calls has its answer right after it.
@@ -247,7 +249,7 @@ def test_a_pending_call_is_answered_from_the_record_after_a_checkpoint():
     loop, _ = make_loop(tool=tool)
     eng = ScriptedEngine(calls_then_answer(lambda uid: 1))
     g = make_group(1)
-    assert run(loop.run(g, eng, 10_000, never))
+    assert run(loop.run(g, eng, 10_000, never()))
     s = g.samples[0]
     n = int(np.flatnonzero(s.response_tokens == CALL_END)[0]) + 1
     copy = Sample(s.uid, s.prompt_id, s.index, s.n_prompt, s.prompt_tokens, s.response_tokens[:n], s.logprobs[:n], n, [[0, n]])
@@ -255,7 +257,7 @@ def test_a_pending_call_is_answered_from_the_record_after_a_checkpoint():
     state = json.loads(json.dumps(loop.state()))  # what a checkpoint keeps
     again, _ = make_loop(tool=tool)
     again.restore(state)
-    assert run(again.run(Group(0, [copy], 0, 0.0), eng, 10_000, never)) is True
+    assert run(again.run(Group(0, [copy], 0, 0.0), eng, 10_000, never())) is True
     assert tool.runs == Counter({"0-0": 1}) and again.counters()["tools/replayed"] == 1
     assert decode(copy.response_tokens) == decode(s.response_tokens)
 
@@ -276,7 +278,7 @@ def test_a_lost_engine_stops_every_episode_of_the_group():
 
     async def main():
         with pytest.raises(Lost):
-            await loop.run(g, eng, 10_000, never)
+            await loop.run(g, eng, 10_000, never())
         before = [s.n_response for s in g.samples]
         await asyncio.sleep(0.1)
         return before
@@ -289,11 +291,11 @@ def test_forget_drops_the_records_of_episodes_that_ended():
     loop, _ = make_loop()
     eng = ScriptedEngine(calls_then_answer(lambda uid: 2))
     a, b = make_group(2, 0), make_group(2, 1)
-    run(loop.run(a, eng, 10_000, never))
-    run(loop.run(b, eng, 10_000, never))
+    run(loop.run(a, eng, 10_000, never()))
+    run(loop.run(b, eng, 10_000, never()))
     assert len(loop.box.record) == 8
     loop.forget([a])
-    assert sorted(loop.box.record) == sorted(f"{u}:{k}:0" for u in (2, 3) for k in range(2))
+    assert sorted(cid.rsplit(":", 1)[0] for cid in loop.box.record) == sorted(f"{u}:{k}:0" for u in (2, 3) for k in range(2))
 
 
 def test_a_call_whose_caller_is_cancelled_runs_once_and_is_recorded():
@@ -317,4 +319,70 @@ def test_a_call_whose_caller_is_cancelled_runs_once_and_is_recorded():
     again, after = run(main())
     assert tool.runs == Counter({"k": 1})
     assert again[0].content == after[0].content == "ok k"
-    assert box.counts["joined"] == 1 and box.counts["replayed"] == 1 and "7:0:0" in box.record
+    assert box.counts["joined"] == 1 and box.counts["replayed"] == 1 and list(box.record) == [calls[0].id]
+
+
+def test_the_journal_answers_calls_made_after_the_checkpoint_a_run_goes_back_to(tmp_path):
+    """A run rolled back to a checkpoint (a resume, a restarted rollout actor) makes its turns
+    again: a call that comes out as it was is answered from the journal; one that comes out
+    different is another call, and is made."""
+    from core.agent.tool_call import parse_calls
+    from core.store.tool_journal import ToolJournal
+
+    path = tmp_path / "tools.journal"
+    tool = Counting()
+    box = ToolBox([Tool("count", tool, 5.0)], journal=ToolJournal(path))
+    run(box.answer(parse_calls(call("a"), 1, 0)))
+    checkpoint = box.state()
+    after = parse_calls(call("b") + call("c"), 2, 0)
+    made = run(box.answer(after))
+    box.close()
+
+    # Another process, from the checkpoint.
+    again = ToolBox([Tool("count", tool, 5.0)], journal=ToolJournal(path))
+    again.restore(checkpoint)
+    assert run(again.answer(after)) == made
+    assert run(again.answer(parse_calls(call("a"), 1, 0)))[0].content == "ok a"
+    different = parse_calls(call("b2") + call("c"), 2, 0)  # turn 0 of episode 2, generated otherwise
+    assert [r.content for r in run(again.answer(different))] == ["ok b2", "ok c"]
+    assert tool.runs == Counter({"a": 1, "b": 1, "c": 1, "b2": 1})
+    assert again.counts["replayed"] == 4 and again.counts["executed"] == 1 + 1  # a (before) and b2
+    # Its own state counts what it appended: a later checkpoint's journal position.
+    assert again.state()["journal_records"] == 4
+
+
+def test_a_torn_last_tool_record_is_ignored_and_a_corrupt_one_named(tmp_path):
+    from core.agent.tool_call import parse_calls
+    from core.store.checkpoint import CheckpointError
+    from core.store.journal_file import FRAME
+    from core.store.tool_journal import ToolJournal
+
+    path = tmp_path / "tools.journal"
+    box = ToolBox([Tool("count", Counting(), 5.0)], journal=ToolJournal(path))
+    run(box.answer(parse_calls(call("a") + call("b"), 1, 0)))
+    box.close()
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-3])  # the second write cut short by a crash
+    (kept,) = ToolJournal(path).since(0)  # the two calls ran at once: either was written first
+    assert kept["content"] in ("ok a", "ok b")
+    body = b'{"kind": "asyncrl.tool-result/1", "id": 3}'
+    path.write_bytes(whole + FRAME.pack(len(body)) + body)
+    with pytest.raises(CheckpointError, match=f"byte {len(whole)}: tool result unreadable"):
+        ToolJournal(path).since(0)
+
+
+def test_a_tool_that_takes_call_id_is_given_the_calls_id_and_the_model_cannot_set_it():
+    from core.agent.tool_call import parse_calls
+
+    seen = []
+
+    def keyed(key: str, call_id: str) -> str:
+        seen.append(call_id)
+        return f"ok {key}"
+
+    box = ToolBox([Tool("count", keyed, 5.0)])
+    calls = parse_calls(call("a"), 4, 1)
+    assert run(box.answer(calls))[0].content == "ok a" and seen == [calls[0].id]
+    forged = parse_calls('<tool_call>{"name": "count", "arguments": {"key": "x", "call_id": "4:1:0:0"}}</tool_call>', 4, 2)
+    (r,) = run(box.answer(forged))
+    assert r.error == "bad_arguments" and "call_id" in r.content and seen == [calls[0].id]

@@ -31,7 +31,12 @@ def test_a_turn_with_calls_parses_each_in_order_with_its_id():
     text = ('I will compute. <tool_call>{"name": "calculator", "arguments": {"expression": "12*7"}}</tool_call> and '
             '<tool_call>{"name": "lookup", "arguments": {"query": "paris"}}</tool_call>')
     calls = parse_calls(text, episode=5, turn=2)
-    assert calls == [ToolCall("5:2:0", "calculator", {"expression": "12*7"}), ToolCall("5:2:1", "lookup", {"query": "paris"})]
+    assert [(c.name, c.arguments) for c in calls] == [("calculator", {"expression": "12*7"}), ("lookup", {"query": "paris"})]
+    assert [c.id.rsplit(":", 1)[0] for c in calls] == ["5:2:0", "5:2:1"]
+    # The same call at the same place has the same id; another call there has another.
+    assert parse_calls(text, 5, 2) == calls
+    other = parse_calls(text.replace("12*7", "12*8"), 5, 2)
+    assert other[0].id != calls[0].id and other[1].id == calls[1].id
     assert parse_calls("no call here", 0, 0) == []
     assert response_text("84") == "<tool_response>84</tool_response>"
 
@@ -46,7 +51,7 @@ def test_a_turn_with_calls_parses_each_in_order_with_its_id():
 ])
 def test_a_malformed_call_is_kept_with_its_reason(text, reason):
     (call,) = parse_calls(text, 0, 0)
-    assert isinstance(call, MalformedCall) and reason in call.reason and call.id == "0:0:0"
+    assert isinstance(call, MalformedCall) and reason in call.reason and call.id.startswith("0:0:0:")
 
 
 @settings(max_examples=200, deadline=None)

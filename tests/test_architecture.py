@@ -17,7 +17,7 @@ ALLOWED = {
     "core.store": {"core.model", "ext"},
     "core.sim": {"core.api", "core.model", "core.agent"},
     "core.real": {"core.api", "core.model", "core.agent"},
-    "core.agent": {"core.api", "core.model"},
+    "core.agent": {"core.api", "core.model", "core.store"},
     "core.pipeline": {"core.api", "core.model", "core.store", "ext"},
     "core.env": {"core.api", "core.model", "core.store", "core.pipeline", "ext"},
     "core.runtimes": {"core.api", "core.model", "core.store", "core.pipeline", "core.sim", "core.real", "core.agent", "core.env", "ext"},

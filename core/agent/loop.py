@@ -15,8 +15,10 @@ Where an episode stands is read off its sample alone: finished, or its last toke
 ``</tool_call>`` the model sampled (calls to answer), or neither (a turn to generate). A group
 aborted for a sync, cancelled, checkpointed or handed to another engine therefore resumes
 where it was; a call answered before the interruption is answered from the record, not run
-again. A sync that lands while tools run lets them finish: their answers are appended, then the
-episode stops at the turn boundary (``interrupted()``) and resumes after the sync.
+again. A sync that aborts (``cut`` set) stops an episode at its turn boundary, and one that
+waits on its tools at once: the calls go on through the sync, recorded as they end, and the
+episode resumed after it takes their answers from the record (or waits for those still
+running). The engine and the sync never wait on a tool.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import numpy as np
 
@@ -36,6 +38,20 @@ from core.model.sample import Group, Sample
 # Why an episode ended: the model stopped (<eos>); it reached the response cap; a call would
 # have taken it past max_turns, max_tool_calls or the context of max_episode_tokens.
 END_REASONS = ("eos", "max_response_len", "max_turns", "max_tool_calls", "max_episode_tokens")
+CUT = object()  # what ``until_cut`` returns when the cut came first
+
+
+async def until_cut(aw: Awaitable[Any], cut: asyncio.Event) -> Any:
+    """What ``aw`` returns, or ``CUT`` (``aw`` cancelled) if ``cut`` is set first."""
+    task = asyncio.ensure_future(aw)
+    waiter = asyncio.ensure_future(cut.wait())
+    try:
+        await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        if not task.done():
+            task.cancel()
+    return task.result() if task.done() and not task.cancelled() else CUT
 
 
 @dataclass(frozen=True)
@@ -72,14 +88,14 @@ class EpisodeLoop(AgentLoop):
         self.ended: Counter = Counter()  # episodes by END_REASONS
         self.turns = 0  # model turns generated to their end, over all episodes
         self.tool_calls = 0
-        self.tool_s = 0.0  # summed over calls (calls overlap)
+        self.tool_s = 0.0  # each call's own time, summed over calls (calls overlap)
         self.tool_spans: dict[str, list[list[float]]] = {}  # engine name -> disjoint [start, end], in order
 
-    async def run(self, group: Group, engine: Engine, max_response_len: int, interrupted: Callable[[], bool]) -> bool:
+    async def run(self, group: Group, engine: Engine, max_response_len: int, cut: asyncio.Event) -> bool:
         todo = group.unfinished()
         if not todo:
             return True
-        tasks = [asyncio.ensure_future(self._episode(group, s, engine, max_response_len, interrupted)) for s in todo]
+        tasks = [asyncio.ensure_future(self._episode(group, s, engine, max_response_len, cut)) for s in todo]
         try:
             results = await asyncio.gather(*tasks)
         except BaseException:
@@ -91,17 +107,22 @@ class EpisodeLoop(AgentLoop):
             raise
         return all(results)
 
-    async def _episode(self, group: Group, s: Sample, engine: Engine, max_response_len: int, interrupted: Callable[[], bool]) -> bool:
+    async def _episode(self, group: Group, s: Sample, engine: Engine, max_response_len: int, cut: asyncio.Event) -> bool:
         raise NotImplementedError
+
+    async def settle(self) -> None:
+        pass
 
     def _end(self, s: Sample, reason: str) -> None:
         s.finished = True
         self.ended[reason] += 1
 
-    def _tools_ran(self, engine: Engine, start: float, end: float, calls: int) -> None:
-        """Calls for an episode of ``engine`` ran from ``start`` to ``end`` (now)."""
-        self.tool_calls += calls
-        self.tool_s += calls * (end - start)
+    def _tools_ran(self, engine: Engine, start: float, end: float, seconds: Sequence[float]) -> None:
+        """An episode of ``engine`` waited from ``start`` to ``end`` (now) on calls that took
+        ``seconds`` each (from when each began: one begun before a sync cut the episode ran
+        through the sync)."""
+        self.tool_calls += len(seconds)
+        self.tool_s += sum(seconds)
         spans = self.tool_spans.setdefault(engine.name, [])
         # ``end`` is now, at or after every end kept: the union only grows at its tail.
         while spans and spans[-1][1] >= start:
@@ -137,14 +158,14 @@ class ToolLoop(EpisodeLoop):
         self.limits = limits
         self.stop_ids = frozenset({codec.call_end_id})
 
-    async def _episode(self, group: Group, s: Sample, engine: Engine, max_response_len: int, interrupted: Callable[[], bool]) -> bool:
+    async def _episode(self, group: Group, s: Sample, engine: Engine, max_response_len: int, cut: asyncio.Event) -> bool:
         one = Group(group.prompt_id, [s], group.version, group.admitted_at)
         context = self.limits.max_episode_tokens - s.n_prompt
         cap, binding = (max_response_len, "max_response_len") if max_response_len <= context else (context, "max_episode_tokens")
         while not s.finished:
             turn_start = self._turn_start(s)
             if turn_start is None:  # a turn to generate
-                if interrupted():
+                if cut.is_set():
                     return False
                 if not await engine.generate(one, cap, self.stop_ids):
                     return False
@@ -155,7 +176,8 @@ class ToolLoop(EpisodeLoop):
                     continue
                 s.finished = False  # a turn ended, not the episode
                 continue
-            await self._answer(s, engine, turn_start, cap, binding)
+            if not await self._answer(s, engine, turn_start, cap, binding, cut):
+                return False
         return True
 
     def _turn_start(self, s: Sample) -> int | None:
@@ -169,30 +191,41 @@ class ToolLoop(EpisodeLoop):
             return None
         return obs[-1][0] + obs[-1][1] if obs else 0
 
-    async def _answer(self, s: Sample, engine: Engine, turn_start: int, cap: int, binding: str) -> None:
+    async def _answer(self, s: Sample, engine: Engine, turn_start: int, cap: int, binding: str, cut: asyncio.Event) -> bool:
+        """The turn's calls answered onto ``s``, or the episode ended by a limit: True. False: cut
+        first (the calls go on)."""
         turn = len(s.observations)  # each answered turn left one observation
         text = self.codec.decode(s.response_tokens[turn_start:].tolist())
         calls: list[Parsed] = parse_calls(text, s.uid, turn)
         if not calls:  # a </tool_call> with no <tool_call>: an error answer, as any malformed call
-            calls = [MalformedCall(call_id(s.uid, turn, 0), text[-200:], f"{CLOSE} without {OPEN}")]
+            calls = [MalformedCall(call_id(s.uid, turn, 0, text), text[-200:], f"{CLOSE} without {OPEN}")]
         lim = self.limits
         if turn + 1 >= lim.max_turns:
             self._end(s, "max_turns")
-            return
+            return True
         if self.box.calls_of(s.uid) + len(calls) > lim.max_tool_calls:
             self._end(s, "max_tool_calls")
-            return
+            return True
+        if cut.is_set():  # the turn ended as a sync began: its calls run through it
+            self.box.start(calls)
+            return False
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        results = await self.box.answer(calls)
-        self._tools_ran(engine, t0, loop.time(), len(calls))
+        results = await until_cut(self.box.answer(calls), cut)
+        if results is CUT:
+            return False
+        self._tools_ran(engine, t0, loop.time(), [r.seconds for r in results])
         tokens = self.codec.observation(results)
         # The context must hold the answers and at least one more model token.
         if s.n_response + len(tokens) >= cap:
             self._end(s, binding)
-            return
+            return True
         version = s.version_spans[-1][0] if s.version_spans else 0
         s.add_observation(np.asarray(tokens), version)
+        return True
+
+    async def settle(self) -> None:
+        await self.box.settle()
 
     def forget(self, groups: Sequence[Group]) -> None:
         self.box.forget({s.uid for g in groups for s in g.samples})

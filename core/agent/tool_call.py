@@ -16,6 +16,7 @@ answers it with an error response and the episode goes on.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -34,8 +35,8 @@ _CALL = re.compile(re.escape(OPEN) + r"(.*?)(" + re.escape(CLOSE) + r"|$)", re.D
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One call a model made: ``id`` names it for good (episode, turn, index), so that its result,
-    once recorded, is never asked for again."""
+    """One call a model made: ``id`` names it for good (episode, turn, index and what it says),
+    so that its result, once recorded, is never asked for again."""
 
     id: str
     name: str
@@ -54,17 +55,20 @@ class MalformedCall:
 Parsed = Union[ToolCall, MalformedCall]
 
 
-def call_id(episode: int, turn: int, index: int) -> str:
-    """The id of the ``index``-th call of turn ``turn`` of episode ``episode``."""
-    return f"{episode}:{turn}:{index}"
+def call_id(episode: int, turn: int, index: int, text: str) -> str:
+    """The id of the ``index``-th call of turn ``turn`` of episode ``episode``, whose text is
+    ``text``. The text's digest is part of it: a run rolled back to a checkpoint generates the
+    turn again, and a call that comes out different is another call, not the one recorded."""
+    digest = hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
+    return f"{episode}:{turn}:{index}:{digest}"
 
 
 def parse_calls(text: str, episode: int, turn: int) -> list[Parsed]:
     """Every call in a model turn's ``text``, in order."""
     out: list[Parsed] = []
     for index, m in enumerate(_CALL.finditer(text)):
-        cid = call_id(episode, turn, index)
         body, closed = m.group(1), bool(m.group(2))
+        cid = call_id(episode, turn, index, m.group(0))
         out.append(_call(cid, body) if closed else MalformedCall(cid, body[:200], f"{OPEN} without {CLOSE}"))
     return out
 

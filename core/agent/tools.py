@@ -9,7 +9,8 @@ the function does not take) ends as an error response the model reads, counted b
 
 Every result is recorded under its call's id before it is handed back. A call whose id is in
 the record is answered from it and never made again: not after a partial-rollout abort, a
-sync, a worker restart or a resume (``state``/``restore`` carry the record in a checkpoint).
+sync, a worker restart or a resume (``state``/``restore`` carry the record in a checkpoint, and
+the ``ToolJournal`` the results recorded after it).
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ from core.agent.tool_call import MalformedCall, Parsed
 from core.model.config import ToolSpec
 from core.model.tool_spec import check_tool_fn
 from core.model.user_code import UserCodeError, run_guarded, what_it_raised
+from core.store.tool_journal import ToolJournal
 
 MAX_OUTPUT_CHARS = 4096
+CALL_ID = "call_id"  # the parameter through which a tool is given the call's id, never the model
 ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout", "not_text", "too_long")
 
 
@@ -47,7 +50,10 @@ class ToolResult:
 
 @dataclass(frozen=True)
 class Tool:
-    """A function the model may call by ``name``, with the keyword arguments it gives."""
+    """A function the model may call by ``name``, with the keyword arguments it gives. A
+    function with a ``call_id`` parameter is also given the call's id (``CALL_ID``), the same
+    every time the episode reaches that call: an idempotency key for a tool with effects
+    outside the run (a sandbox it creates, a row it writes)."""
 
     name: str
     fn: Callable[..., Any]
@@ -56,6 +62,10 @@ class Tool:
     @property
     def is_async(self) -> bool:
         return inspect.iscoroutinefunction(self.fn)
+
+    @property
+    def takes_call_id(self) -> bool:
+        return CALL_ID in inspect.signature(self.fn).parameters
 
 
 class _ToolLoop:
@@ -74,7 +84,7 @@ class ToolBox:
     """The tools of a run, and the record of every call made."""
 
     def __init__(self, tools: list[Tool], max_output_chars: int = MAX_OUTPUT_CHARS,
-                 delay: Optional[Callable[[str], float]] = None) -> None:
+                 delay: Optional[Callable[[str], float]] = None, journal: Optional[ToolJournal] = None) -> None:
         names = [t.name for t in tools]
         if len(set(names)) != len(names):
             raise ValueError(f"tool names must be distinct: {names}")
@@ -87,10 +97,23 @@ class ToolBox:
         self._running: dict[str, asyncio.Future] = {}  # calls under way, by id
         # Seconds a call takes beyond its tool's own time (agent.tool_delay_s), by call id.
         self.delay = delay
+        self.journal = journal  # with checkpoints: every result, written ahead
 
     async def answer(self, calls: list[Parsed]) -> list[ToolResult]:
         """Each call's result, in the order of ``calls``."""
         return list(await asyncio.gather(*(self._one(c) for c in calls)))
+
+    def start(self, calls: list[Parsed]) -> None:
+        """Start the calls not yet made or under way, without waiting for them (an episode cut
+        by a sync: they run through it, and it asks for them again after)."""
+        for c in calls:
+            if c.id not in self.record and c.id not in self._running:
+                self._running[c.id] = asyncio.ensure_future(self._made(c))
+
+    async def settle(self) -> None:
+        """Wait for every call under way to be recorded."""
+        while self._running:
+            await asyncio.gather(*list(self._running.values()), return_exceptions=True)
 
     async def _one(self, call: Parsed) -> ToolResult:
         self.counts["calls"] += 1
@@ -100,9 +123,9 @@ class ToolBox:
             return done
         running = self._running.get(call.id)
         if running is None:
-            # Its own task: a caller cancelled (its episode's engine was lost, the run stopped)
-            # does not cancel the call, whose result is still recorded, and a caller that asks
-            # again while it runs waits for it instead of making it twice.
+            # Its own task: a caller cancelled (its episode's engine was lost, a sync cut it,
+            # the run stopped) does not cancel the call, whose result is still recorded, and a
+            # caller that asks again while it runs waits for it instead of making it twice.
             running = self._running[call.id] = asyncio.ensure_future(self._made(call))
         else:
             self.counts["joined"] += 1
@@ -119,6 +142,8 @@ class ToolBox:
         self.seconds += result.seconds
         if result.error is not None:
             self.counts[f"error/{result.error}"] += 1
+        if self.journal is not None:
+            self.journal.recorded(asdict(result))
         self.record[call.id] = result
         return result
 
@@ -129,13 +154,16 @@ class ToolBox:
         if tool is None:
             known = ", ".join(sorted(self.tools)) or "none"
             return _error(call.id, call.name, "unknown_tool", f"no tool named {call.name!r} (tools: {known})")
+        if CALL_ID in call.arguments:
+            return _error(call.id, call.name, "bad_arguments", f"bad arguments: {CALL_ID} is given by the run, not the call")
+        args = {**call.arguments, CALL_ID: call.id} if tool.takes_call_id else call.arguments
         try:
-            inspect.signature(tool.fn).bind(**call.arguments)
+            inspect.signature(tool.fn).bind(**args)
         except TypeError as exc:
             return _error(call.id, call.name, "bad_arguments", f"bad arguments: {exc}")
         self.counts["executed"] += 1
         try:
-            value = await (self._run_async(tool, call.arguments) if tool.is_async else self._run_sync(tool, call.arguments))
+            value = await (self._run_async(tool, args) if tool.is_async else self._run_sync(tool, args))
         except asyncio.TimeoutError:
             return _error(call.id, call.name, "timeout", f"no answer within {tool.timeout_s:g} s")
         except UserCodeError as exc:
@@ -179,15 +207,23 @@ class ToolBox:
         if self._loop is not None:
             self._loop.close()
             self._loop = None
+        if self.journal is not None:
+            self.journal.close()
 
     def state(self) -> dict:
-        """The record and the counts, for a checkpoint."""
-        return {"record": [asdict(r) for r in self.record.values()], "counts": dict(self.counts), "seconds": self.seconds}
+        """The record and the counts, for a checkpoint; and how far the journal had got."""
+        return {"record": [asdict(r) for r in self.record.values()], "counts": dict(self.counts), "seconds": self.seconds,
+                "journal_records": self.journal.records if self.journal is not None else 0}
 
     def restore(self, state: dict) -> None:
+        """The checkpoint's record, and every result the journal holds from after it: the run
+        goes back to the checkpoint, and a call made since is not made again."""
         self.record = {r["id"]: ToolResult(**r) for r in state["record"]}
         self.counts = Counter(state["counts"])
         self.seconds = state["seconds"]
+        if self.journal is not None:
+            for r in self.journal.since(state.get("journal_records", 0)):
+                self.record.setdefault(r["id"], ToolResult(**r))
 
 
 async def _raising_as_itself(tool: Tool, args: dict) -> Any:

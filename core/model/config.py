@@ -1082,7 +1082,8 @@ class Scenario(_Frozen):
             if self.model.path is None and tm.vocabulary != "arithmetic":
                 raise ConfigError("tiny_model.vocabulary", tm.vocabulary, "the arithmetic task's digits and calls need the arithmetic vocabulary",
                                   "set tiny_model.vocabulary: arithmetic")
-            if not any(t.name == "calculator" and t.fn is None for t in self.tools):
+            # A user's function may stand in as the calculator (one that logs or counts its calls).
+            if not any(t.name == "calculator" for t in self.tools):
                 raise ConfigError("tools", [t.name for t in self.tools], "the arithmetic task is solved with the calculator, and it is not among the tools",
                                   "add {name: calculator} to tools")
         if self.episodes is not None and self.eval.every:

@@ -111,7 +111,7 @@ class Rollouter:
         # is the smallest entry that is current, without a scan of all engines per group.
         self._loads = [(0, i) for i in range(len(engines))]
         self._paused = False
-        self._cutting = False  # episodes stop at their next turn boundary (a sync that aborts; the end)
+        self._cut = asyncio.Event()  # set: episodes stop at a turn boundary or tool call
         self._frozen = False  # engines hold their generations between decode steps (pause "keep")
         self._stopped = False
         self._wake = asyncio.Event()
@@ -240,7 +240,7 @@ class Rollouter:
             if self.agent is None:
                 completed = await self.engines[i].generate(group, self.max_response_len)
             else:
-                completed = await self.agent.run(group, self.engines[i], self.max_response_len, self.cutting)
+                completed = await self.agent.run(group, self.engines[i], self.max_response_len, self._cut)
         except WorkerLost as exc:
             # What it generated died with it; what this process holds is generated again.
             self.retry_queue.append(group)
@@ -372,7 +372,8 @@ class Rollouter:
         """Stop admitting; ``wait`` drains in-flight work, ``abort`` interrupts it, ``keep``
         freezes it in the engines, KV cache and all, to go on under the next weights."""
         self._paused = True
-        self._cutting = mode == "abort"
+        if mode == "abort":
+            self._cut.set()
         if mode == "keep":
             self._frozen = True
             await self._each_up("freeze")
@@ -428,13 +429,9 @@ class Rollouter:
             self._restarted = True  # the next try forms a new group
             raise broken
 
-    def cutting(self) -> bool:
-        """Episodes stop at their next turn boundary (a sync that aborts, or the end of the run)."""
-        return self._cutting
-
     async def resume(self) -> None:
         self._paused = False
-        self._cutting = False
+        self._cut.clear()
         if self._frozen:
             self._frozen = False
             await self._each_up("thaw")
@@ -444,13 +441,20 @@ class Rollouter:
         """End of run: interrupt everything and hand back every group not yet queued."""
         self._stopped = True
         self._paused = True
-        self._cutting = True
+        self._cut.set()
         await self._each_up("abort_all")
         if self._active:
             _, hung = await asyncio.wait(list(self._active), timeout=self.stop_timeout_s)
             for task in hung:
                 task.cancel()
             await asyncio.gather(*hung, return_exceptions=True)
+        if self.agent is not None:
+            # Calls still running are waited for: recorded (journaled), none is made again
+            # by a run resumed from here.
+            try:
+                await asyncio.wait_for(self.agent.settle(), self.stop_timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("tool calls still running after %.0f s at the run's end: a resumed run makes them again", self.stop_timeout_s)
         for task in list(self._recovering.values()):
             task.cancel()
         await asyncio.gather(*self._recovering.values(), return_exceptions=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import zlib
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -12,17 +13,22 @@ from core.agent.tool_call import CLOSE
 from core.agent.tools import ToolBox, build_tools
 from core.api import AgentLoop
 from core.model.config import Scenario
+from core.pipeline.wiring import durable
 from core.real.task import Task
+from core.store.tool_journal import ToolJournal
+
+
+JOURNAL = "tools.journal"
 
 
 class NoCallToken(ValueError):
     """The tokenizer has no single token that ends a tool call."""
 
 
-def make_agent(sc: Scenario, task: Task) -> Optional[AgentLoop]:
+def make_agent(sc: Scenario, task: Task, journal_dir: Optional[Path] = None) -> Optional[AgentLoop]:
     """With ``agent``/``tools``, episodes that call the tools; else None (one completion per sample).
     ``NoCallToken`` where the tokenizer cannot end a turn at ``</tool_call>`` (the engines stop
-    on one token id)."""
+    on one token id). A durable run (checkpoints) journals the calls' results in ``journal_dir``."""
     spec = sc.episodes
     if spec is None:
         return None
@@ -39,5 +45,6 @@ def make_agent(sc: Scenario, task: Task) -> Optional[AgentLoop]:
         # Drawn from the call's id: a call made again after an interruption waits as long.
         return float(delay.draw(np.random.default_rng([seed, zlib.crc32(call_id.encode())]), 1)[0])
 
-    box = ToolBox(build_tools(sc.tools), delay=delay_s if delay.median > 0 or delay.low > 0 else None)
+    journal = ToolJournal(Path(journal_dir) / JOURNAL) if journal_dir is not None and durable(sc) else None
+    box = ToolBox(build_tools(sc.tools), delay=delay_s if delay.median > 0 or delay.low > 0 else None, journal=journal)
     return ToolLoop(box, codec, limits)

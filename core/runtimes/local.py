@@ -26,7 +26,7 @@ from core.sim.workload import Workload
 ProcessesFn = Callable[[list[tuple[str, int]]], None]
 
 
-def local_workers(plan: RunPlan, timeline: Timeline) -> Workers:
+def local_workers(plan: RunPlan, timeline: Timeline, run_dir: Optional[Path] = None) -> Workers:
     """Engines, trainer and reward in this process, each with the threads its devices give."""
     sc, place = plan.scenario, plan.placement
     apply_env()
@@ -39,7 +39,7 @@ def local_workers(plan: RunPlan, timeline: Timeline) -> Workers:
     task = make_task(sc)
     return Workers(
         engines, backend, LocalWeightTransfer(backend), TaskPrompts(task), TaskReward(task),
-        spread=Workload(sc.workload, sc.seed).reward_spread, agent=make_agent(sc, task),
+        spread=Workload(sc.workload, sc.seed).reward_spread, agent=make_agent(sc, task, Path(run_dir) / plan.mode if run_dir is not None else None),
     )
 
 
@@ -77,7 +77,7 @@ def run_local(
     async def main() -> RunResult:
         loop = asyncio.get_running_loop()
         timeline = Timeline()
-        workers = local_workers(plan, timeline)
+        workers = local_workers(plan, timeline, run_dir)
         await asyncio.gather(*(e.start() for e in workers.engines))
         if on_processes is not None:
             on_processes([("driver", os.getpid())])

@@ -246,6 +246,8 @@ class _Watch:
             await self._poll_until_trained()
         except BaseException as exc:
             lost = isinstance(exc, self.died) and await self._rollout_lost()  # a call into it from here
+            if isinstance(exc, RunStopped):
+                await self._halt_rollout()
             for task in (rolling, training):
                 task.cancel()
             await asyncio.gather(rolling, training, return_exceptions=True)
@@ -254,6 +256,15 @@ class _Watch:
             if isinstance(exc, RunStopped):  # raised in the trainer actor: its own message, not Ray's traceback
                 raise RunStopped(str(getattr(exc, "cause", exc))) from None
             raise
+
+    async def _halt_rollout(self) -> None:
+        """A stopped run's rollout stops as a run's end does (tool calls under way are waited for
+        and journaled: the resumed run does not make them again); the rest is left as a crash
+        leaves it."""
+        try:
+            await asyncio.wait_for(_await(self.rollout.halt.remote()), self.sc.timeouts.control_s)
+        except Exception as exc:  # a rollout that cannot stop is torn down as it is
+            log.warning("the stopped run's rollout did not stop cleanly: %s", exc)
 
     async def _poll_until_trained(self) -> None:
         rolling, training = self.rolling, self.training

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Any, Optional
 
 from core.api import Batch, PauseMode
@@ -57,7 +58,7 @@ class RolloutHost(ActorIdentity):
         task = make_task(sc)  # the tokenizer: this actor is on the driver's node, which sees the model
         # Agent episodes run here, tools and all: a tool's record outlives an engine's death.
         # Their tokens come here with each turn, and they are scored here once they end.
-        agent = make_agent(sc, task)
+        agent = make_agent(sc, task, Path(self.run_dir) / self.mode if self.run_dir is not None else None)
         self.agents = agent is not None
         proxies = [EngineProxy(name, h, off, pid, tokens_here=self.agents) for name, h, off, pid in engines]
         if reward_handle is not None:
@@ -217,6 +218,11 @@ class RolloutHost(ActorIdentity):
 
     async def resume(self) -> None:
         await self.rollouter.resume()
+
+    async def halt(self) -> None:
+        """The run was stopped (``stop_at_step``): generation ends, tool calls under way are
+        recorded; nothing else is accounted for (the resumed run goes back to a checkpoint)."""
+        await self.rollouter.stop()
 
     async def stop(self) -> dict:
         """End of run: stop, account for what was never queued or trained, close engines."""
