@@ -247,6 +247,14 @@ def agent_lines(summary: dict) -> list[str]:
     for line, modes in said.items():
         who = "Every mode" if len(modes) == len(rows) else ", ".join(modes)
         out.append(f"{who}: {line}")
+    real = [(mode, row) for mode, row in rows.items() if "agent/reward_positive_first" in row]
+    if real:  # the trainer saw the rewards: how many responses earned any (on arithmetic, a right call)
+        share = ", ".join(f"{mode} {100 * row['agent/reward_positive_first']:.0f} -> {100 * row['agent/reward_positive_last']:.0f} %"
+                          for mode, row in real)
+        out.append(f"Responses that earned a reward, first to last steps: {share}.")
+        made = ", ".join(f"{mode} {row.get('agent/tool_calls_executed', 0):,.0f} made, {row.get('agent/tool_calls_replayed', 0):,.0f} from the record"
+                         for mode, row in real)
+        out.append(f"Tool calls executed, and asked again and answered from the record (after a sync or restart): {made}.")
     return out
 
 

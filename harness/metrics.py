@@ -236,6 +236,7 @@ def agent_metrics(result: RunResult, gpu_s: float) -> dict:
     if "box" in a:  # real runtimes: calls executed, and those answered from the record instead
         out["agent/tool_calls_executed"] = counts.get("executed", 0)
         out["agent/tool_calls_replayed"] = counts.get("replayed", 0) + counts.get("joined", 0)
+        out.update({f"agent/tool_errors_{k.removeprefix('error/')}": n for k, n in sorted(counts.items()) if k.startswith("error/")})
     shares = [i["reward_positive_share"] for i in result.trainer.step_info if "reward_positive_share" in i]
     if shares:  # real runtimes: the trainer saw the rewards
         w = result.scenario.learn.reward_window

@@ -63,6 +63,8 @@ SUMMARY_KEYS = (
     "agent/gpu_idle_on_tools_s",
     "agent/reward_positive_first",
     "agent/reward_positive_last",
+    "agent/tool_calls_executed",
+    "agent/tool_calls_replayed",
     "gpu_time/waiting_on_tools",
     "tokens/trained_response",
     "tokens/masked_observation",

@@ -145,11 +145,12 @@ def test_ray_makes_no_call_twice_across_a_worker_kill_and_a_resume(ray_session, 
     takes none of the record with it, and the resumed run's rollout actor reads the journal."""
     from core.api import RunStopped
 
-    sc = arithmetic(arithmetic_model_dir, runtime="ray", modes=["partial"], **{
+    # inflight: the ray test above runs partial; a checkpoint's sync aborts in either.
+    sc = arithmetic(arithmetic_model_dir, runtime="ray", modes=["inflight"], **{
         "ray.poll_s": 0.1, "faults": [{"kind": "kill", "target": "rollout_worker", "at_step": 1}],
     })
     with pytest.raises(RunStopped):
-        run_mode(sc, "partial", run_dir=tmp_path, stop_at_step=3)
-    system = run_mode(sc, "partial", run_dir=tmp_path, resume=True)
+        run_mode(sc, "inflight", run_dir=tmp_path, stop_at_step=3)
+    system = run_mode(sc, "inflight", run_dir=tmp_path, resume=True)
     assert_each_call_made_once(call_log, system)
     assert any(f.kind == "kill" for f in system.faults.records)

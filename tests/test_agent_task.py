@@ -87,14 +87,20 @@ def test_the_warm_start_makes_the_tool_findable_not_solved(arithmetic_dirs):
     assert 0 < made < 64, made  # RL has something to find, and something left to raise
 
 
-def test_the_agent_scenario_runs_its_task_with_the_calculator(tmp_path):
+def test_the_agent_scenario_runs_its_task_with_the_calculator(arithmetic_model_dir):
     """scenarios/real-cpu-agent.yaml, shortened: the warm-started model calls the calculator
-    right in some episodes from the first step (rewards above 0), every sample accounted for."""
+    right in some episodes from the first step (rewards above 0), every sample accounted for,
+    and the console says so."""
     from core.runtimes.dispatch import run_mode
+    from harness.console import agent_lines
     from harness.metrics import collect
     from harness.scenario import load
 
-    sc = load("scenarios/real-cpu-agent.yaml", [f"tiny_model.path={tmp_path / 'model'}", "trainer.steps=3", "modes=[partial]"])
+    sc = load("scenarios/real-cpu-agent.yaml", [f"tiny_model.path={arithmetic_model_dir}", "trainer.steps=3", "modes=[partial]"])
     m = collect(run_mode(sc, "partial"))
     assert m["samples/lost"] == 0 and m["samples/trained"] == 3 * 64
     assert m["agent/tool_calls"] > 0 and m["agent/reward_positive_first"] > 0
+    assert m["agent/tool_calls_executed"] > 0
+    said = "\n".join(agent_lines({"modes": {"partial": m}}))
+    assert "GPU time idle while waiting on tools: partial" in said
+    assert f"partial {100 * m['agent/reward_positive_first']:.0f} -> " in said
