@@ -61,5 +61,5 @@ def calculator_counting_calls(expression: str, call_id: str) -> str:
     from core.agent.calculator import calculate
 
     with open(os.environ["ASYNCRL_TEST_CALL_LOG"], "a") as f:
-        f.write(call_id + "\n")
+        f.write(f"{call_id} {os.getpid()} {time.time():.3f}\n")  # which process, when: for a failure's message
     return calculate(expression)

@@ -338,6 +338,12 @@ def test_the_journal_answers_calls_made_after_the_checkpoint_a_run_goes_back_to(
     made = run(box.answer(after))
     box.close()
 
+    # Another process that starts over without a checkpoint's state (the run's only one was
+    # taken before anything ran): it answers from the whole journal.
+    fresh = ToolBox([Tool("count", tool, 5.0)], journal=ToolJournal(path))
+    assert run(fresh.answer(after)) == made and tool.runs == Counter({"a": 1, "b": 1, "c": 1})
+    fresh.close()
+
     # Another process, from the checkpoint.
     again = ToolBox([Tool("count", tool, 5.0)], journal=ToolJournal(path))
     again.restore(checkpoint)

@@ -98,6 +98,12 @@ class ToolBox:
         # Seconds a call takes beyond its tool's own time (agent.tool_delay_s), by call id.
         self.delay = delay
         self.journal = journal  # with checkpoints: every result, written ahead
+        if journal is not None:
+            # A journal that holds results is a resumed run's (a run directory with checkpoints
+            # is resumed, never written afresh): one that starts over from no rollout state (its
+            # checkpoint was taken before any) answers from them; ``restore`` narrows them to a
+            # checkpoint's.
+            self.record = {r["id"]: ToolResult(**r) for r in journal.since(0)}
 
     async def answer(self, calls: list[Parsed]) -> list[ToolResult]:
         """Each call's result, in the order of ``calls``."""
