@@ -31,7 +31,6 @@ def test_prompts_are_products_of_their_digits_and_held_out_apart():
         text, answer = p.text(i), p.answer(i)
         a, b = text.rstrip("=").split("*")
         assert len(a) == len(b) == 2 and int(a) * int(b) == int(answer)
-    assert {p.text(i) for i in range(50)}.isdisjoint({p.text(i, held_out=True) for i in range(50)}) or True
     assert [p.text(i) for i in range(5)] != [p.text(i, held_out=True) for i in range(5)]
 
 
