@@ -63,10 +63,6 @@ class Tool:
     def is_async(self) -> bool:
         return inspect.iscoroutinefunction(self.fn)
 
-    @property
-    def takes_call_id(self) -> bool:
-        return CALL_ID in inspect.signature(self.fn).parameters
-
 
 class _ToolLoop:
     """An event loop in a daemon thread of its own, for ``async`` tools: one that blocks never
@@ -162,9 +158,10 @@ class ToolBox:
             return _error(call.id, call.name, "unknown_tool", f"no tool named {call.name!r} (tools: {known})")
         if CALL_ID in call.arguments:
             return _error(call.id, call.name, "bad_arguments", f"bad arguments: {CALL_ID} is given by the run, not the call")
-        args = {**call.arguments, CALL_ID: call.id} if tool.takes_call_id else call.arguments
+        signature = inspect.signature(tool.fn)
+        args = {**call.arguments, CALL_ID: call.id} if CALL_ID in signature.parameters else call.arguments
         try:
-            inspect.signature(tool.fn).bind(**args)
+            signature.bind(**args)
         except TypeError as exc:
             return _error(call.id, call.name, "bad_arguments", f"bad arguments: {exc}")
         self.counts["executed"] += 1

@@ -12,7 +12,7 @@ from core.agent.loop import Limits, ToolLoop, TurnCodec
 from core.agent.tool_call import CLOSE
 from core.agent.tools import ToolBox, build_tools
 from core.api import AgentLoop
-from core.model.config import Scenario
+from core.model.run_plan import RunPlan
 from core.pipeline.wiring import durable
 from core.real.task import Task
 from core.store.tool_journal import ToolJournal
@@ -25,10 +25,12 @@ class NoCallToken(ValueError):
     """The tokenizer has no single token that ends a tool call."""
 
 
-def make_agent(sc: Scenario, task: Task, journal_dir: Optional[Path] = None) -> Optional[AgentLoop]:
+def make_agent(plan: RunPlan, task: Task, run_dir: Optional[Path] = None) -> Optional[AgentLoop]:
     """With ``agent``/``tools``, episodes that call the tools; else None (one completion per sample).
     ``NoCallToken`` where the tokenizer cannot end a turn at ``</tool_call>`` (the engines stop
-    on one token id). A durable run (checkpoints) journals the calls' results in ``journal_dir``."""
+    on one token id). A durable run (checkpoints) journals the calls' results in its mode's
+    directory, beside the queue's journal (``make_queue``)."""
+    sc = plan.scenario
     spec = sc.episodes
     if spec is None:
         return None
@@ -45,6 +47,6 @@ def make_agent(sc: Scenario, task: Task, journal_dir: Optional[Path] = None) -> 
         # Drawn from the call's id: a call made again after an interruption waits as long.
         return float(delay.draw(np.random.default_rng([seed, zlib.crc32(call_id.encode())]), 1)[0])
 
-    journal = ToolJournal(Path(journal_dir) / JOURNAL) if journal_dir is not None and durable(sc) else None
+    journal = ToolJournal(Path(run_dir) / plan.mode / JOURNAL) if run_dir is not None and durable(sc) else None
     box = ToolBox(build_tools(sc.tools), delay=delay_s if delay.median > 0 or delay.low > 0 else None, journal=journal)
     return ToolLoop(box, codec, limits)

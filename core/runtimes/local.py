@@ -39,7 +39,7 @@ def local_workers(plan: RunPlan, timeline: Timeline, run_dir: Optional[Path] = N
     task = make_task(sc)
     return Workers(
         engines, backend, LocalWeightTransfer(backend), TaskPrompts(task), TaskReward(task),
-        spread=Workload(sc.workload, sc.seed).reward_spread, agent=make_agent(sc, task, Path(run_dir) / plan.mode if run_dir is not None else None),
+        spread=Workload(sc.workload, sc.seed).reward_spread, agent=make_agent(plan, task, run_dir),
     )
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 from typing import Any, Optional
 
 from core.api import Batch, PauseMode
@@ -58,7 +57,7 @@ class RolloutHost(ActorIdentity):
         task = make_task(sc)  # the tokenizer: this actor is on the driver's node, which sees the model
         # Agent episodes run here, tools and all: a tool's record outlives an engine's death.
         # Their tokens come here with each turn, and they are scored here once they end.
-        agent = make_agent(sc, task, Path(self.run_dir) / self.mode if self.run_dir is not None else None)
+        agent = make_agent(self.plan, task, self.run_dir)
         self.agents = agent is not None
         proxies = [EngineProxy(name, h, off, pid, tokens_here=self.agents) for name, h, off, pid in engines]
         if reward_handle is not None:
