@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Protocol, Sequence
 
 import numpy as np
@@ -150,6 +151,15 @@ class TrainBackend(Protocol):
     flops: float  # model FLOPs of those steps (0 where they are modelled)
     peak_flops: float  # the devices' peak FLOP/s, for MFU (0 where not measured)
     tensor_files: tuple[str, ...]  # the safetensors files ``state_dict`` writes, e.g. ("weights", "optimizer")
+    sharded: bool  # each rank holds a shard: checkpoints go through save_shards / load_shards instead
+
+    def save_shards(self, into: Path) -> None:
+        """Sharded: every rank writes its part of the trainer's state into ``into`` at once."""
+        raise NotImplementedError
+
+    def load_shards(self, path: Path) -> None:
+        """Sharded: every rank reads its part back from ``save_shards``' directory at once."""
+        raise NotImplementedError
 
     async def train_step(self, batch: Batch, version: int) -> dict:
         """Train on ``batch`` with the weights of ``version``; what the step measured."""

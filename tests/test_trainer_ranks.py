@@ -34,6 +34,16 @@ WEIGHT_ATOL = 2e-5
 # (correction, minibatches): with 4 groups, 2 minibatches give each rank one group of each; 4
 # give each minibatch one group, so one rank holds nothing of it and still takes part.
 CASES = [("none", 2), ("tis", 2), ("decoupled", 2), ("masked", 2), ("m2po", 2), ("m2po", 4), ("decoupled", 4)]
+# learn.sharding: fsdp2, (correction, minibatches, param_dtype): every rank holds a group of each
+# minibatch (a sharded forward needs every rank). In float32 the two shards' gradients are
+# reduce-scattered where one rank sums once: the same float rounding as the replicas', so the
+# same tolerance. In bfloat16 the forward and backward round to 8 bits of mantissa, and the
+# two ranks' partial sums are rounded where one rank's whole sum is: a near-zero gradient may
+# change sign, and Adam's first step (lr * g / |g|) then moves that weight by up to 2 lr the
+# other way. So the bound is on the update as a whole: |update(2) - update(1)| / |update(1)|
+# over all weights, measured 0.019 (BF16_UPDATE_RTOL 0.1; the worst weight 1.5e-3, within 2 lr per step).
+FSDP_CASES = [("decoupled", 2, "float32"), ("m2po", 2, "float32"), ("decoupled", 2, "bfloat16")]
+BF16_UPDATE_RTOL = 0.1
 
 
 def _free_port() -> int:
@@ -71,17 +81,45 @@ def _rank_main(rank: int, size: int, port: int, model_dir: str, path: str, out: 
     torch.set_num_threads(1)
     groups = pickle.loads(open(path, "rb").read())
     ranks = RankGroup.join(f"127.0.0.1:{port}", rank, size, "cpu", timeout_s=60)
-    got = []
+    got, sharded, resumed = [], [], {}
     try:
         for correction, k in CASES:
             b = TorchTrainBackend(model_dir, LearnSpec(correction=correction, minibatches=k), threads=1)
             b.join(ranks)
             loss, w, info = _step(b, groups)
             got.append((loss, w, info["updates"], info["masked_frac"], info["is_truncated_frac"]))
+        for correction, k, dtype in FSDP_CASES:
+            b = TorchTrainBackend(model_dir, LearnSpec(correction=correction, minibatches=k, sharding="fsdp2", param_dtype=dtype), threads=1)
+            b.join(ranks)
+            loss, w, info = _step(b, groups)
+            sharded.append((loss, w, info["updates"], _shard_sizes(b)))
+        resumed = _stop_and_resume(model_dir, ranks, groups, f"{out}-shards")
     finally:
         ranks.leave()
     with open(f"{out}.{rank}", "wb") as f:
-        pickle.dump(got, f)
+        pickle.dump({"ddp": got, "fsdp2": sharded, "resume": resumed}, f)
+
+
+def _shard_sizes(b: TorchTrainBackend) -> int:
+    """Elements of the parameters this rank holds."""
+    return sum(p.to_local().numel() for p in b.model.parameters())
+
+
+def _stop_and_resume(model_dir: str, ranks: RankGroup, groups: list, shards: str) -> dict:
+    """Two fsdp2 steps uninterrupted, against one step, a sharded checkpoint (every rank writes
+    its shards), a new trainer on every rank restored from it, and the second step."""
+    spec = LearnSpec(minibatches=2, sharding="fsdp2")
+    b = TorchTrainBackend(model_dir, spec, threads=1)
+    b.join(ranks)
+    _step(b, groups)
+    b.save_shards(shards)
+    _, uninterrupted, _ = _step(b, groups)
+    again = TorchTrainBackend(model_dir, spec, threads=1)
+    again.join(ranks)
+    fresh = again.weights()
+    again.load_shards(shards)
+    _, resumed, _ = _step(again, groups)
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "fresh": fresh}
 
 
 def test_token_balanced_cuts_are_contiguous_and_fill_every_rank():
@@ -125,7 +163,11 @@ def ranks(tiny_model_dir, tmp_path_factory) -> dict:
     def read(path: str) -> list:
         return [pickle.loads(open(f"{path}.{r}", "rb").read()) for r in range(2)] if exits == [0, 0] else []
 
-    return {"groups": groups, "state": state, "exits": exits, "two": read(out), "restored": read(f"{out}-restored")}
+    got = read(out)
+    return {
+        "groups": groups, "state": state, "exits": exits, "restored": read(f"{out}-restored"), "shards": f"{out}-shards",
+        "two": [g["ddp"] for g in got], "fsdp2": [g["fsdp2"] for g in got], "resume": [g["resume"] for g in got],
+    }
 
 
 def test_two_ranks_make_the_update_of_one(tiny_model_dir, ranks):
@@ -151,6 +193,65 @@ def test_two_ranks_make_the_update_of_one(tiny_model_dir, ranks):
         assert trunc_a == pytest.approx(info1["is_truncated_frac"], abs=1e-9), case
         # The step moved the weights: the comparison is not of two untouched models.
         assert max(float(np.abs(w1[n] - start[n]).max()) for n in w1) > 1e-4, case
+
+
+def _one_sharded_rank(model_dir, spec: LearnSpec) -> TorchTrainBackend:
+    b = TorchTrainBackend(model_dir, spec, threads=1)
+    b.join(RankGroup.alone("cpu", timeout_s=60))
+    return b
+
+
+def test_two_fsdp2_ranks_make_the_update_of_one(tiny_model_dir, ranks):
+    """learn.sharding: fsdp2 over gloo, 2 processes: each holds half of every parameter (and
+    of Adam's state), and one step makes the update of one rank holding the whole batch, in
+    float32 within the replicas' tolerance, in bfloat16 compute within BF16_WEIGHT_ATOL."""
+    assert ranks["exits"] == [0, 0]
+    groups = ranks["groups"]
+    untrained = TorchTrainBackend(tiny_model_dir, LearnSpec(), threads=1)
+    whole = sum(p.numel() for p in untrained.model.parameters())
+    start = untrained.weights()
+    for i, (correction, k, dtype) in enumerate(FSDP_CASES):
+        case = f"fsdp2 {correction}, {k} minibatches, {dtype}"
+        (loss_a, wa, upd_a, held_a), (loss_b, wb, _, held_b) = ranks["fsdp2"][0][i], ranks["fsdp2"][1][i]
+        assert held_a + held_b == whole and max(held_a, held_b) < whole, case  # sharded, not replicated
+        for name in wa:
+            np.testing.assert_array_equal(wa[name], wb[name], err_msg=f"{case}: ranks differ on {name}")
+        if dtype == "float32":
+            one = TorchTrainBackend(tiny_model_dir, LearnSpec(correction=correction, minibatches=k), threads=1)
+        else:
+            one = _one_sharded_rank(tiny_model_dir, LearnSpec(correction=correction, minibatches=k, sharding="fsdp2", param_dtype=dtype))
+        loss1, w1, info1 = _step(one, groups)
+        worst = max(float(np.abs(wa[n] - w1[n]).max()) for n in w1)
+        assert upd_a == info1["updates"], case
+        if dtype == "float32":
+            assert abs(loss_a - loss1) <= LOSS_ATOL, (case, loss_a, loss1)
+            assert worst <= WEIGHT_ATOL, (case, worst)
+            continue
+        lr = LearnSpec().lr
+        assert abs(loss_a - loss1) <= 1e-3, (case, loss_a, loss1)
+        assert worst <= 2 * lr * k * 1.01, (case, worst)  # k Adam steps, each at most lr per weight
+        diff = np.sqrt(sum(float(((wa[n] - w1[n]) ** 2).sum()) for n in w1))
+        moved = np.sqrt(sum(float(((w1[n] - start[n]) ** 2).sum()) for n in w1))
+        assert diff / moved <= BF16_UPDATE_RTOL, (case, diff / moved)
+
+
+def test_a_two_rank_fsdp2_trainer_stopped_and_resumed_ends_as_the_uninterrupted_one(tiny_model_dir, ranks):
+    """Each rank writes its shards (torch.distributed.checkpoint, safetensors), new trainers
+    read them back, and the next step ends bit for bit where the uninterrupted trainer's did
+    (Adam's moments and step count restored too: otherwise the update differs). One rank
+    reads the same checkpoint resharded and ends there within float rounding."""
+    assert ranks["exits"] == [0, 0]
+    for r in range(2):
+        got = ranks["resume"][r]
+        moved = max(float(np.abs(got["uninterrupted"][n] - got["fresh"][n]).max()) for n in got["fresh"])
+        assert moved > 1e-4  # the restored trainer did not start where the checkpoint was
+        for n, w in got["uninterrupted"].items():
+            np.testing.assert_array_equal(got["resumed"][n], w, err_msg=f"rank {r}: {n}")
+    one = _one_sharded_rank(tiny_model_dir, LearnSpec(minibatches=2, sharding="fsdp2"))
+    one.load_shards(ranks["shards"])
+    _, w1, _ = _step(one, ranks["groups"])
+    worst = max(float(np.abs(w1[n] - w).max()) for n, w in ranks["resume"][0]["uninterrupted"].items())
+    assert worst <= WEIGHT_ATOL
 
 
 def test_a_rank_receives_rank_zeros_weights_and_optimizer_state(ranks):

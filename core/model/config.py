@@ -387,7 +387,7 @@ class SyncSpec(_Frozen):
 
     transport: Literal["broadcast", "object_store"] = "broadcast"
     """LLM ray runtime: how weights reach the engines. `broadcast`: a collective broadcast from the
-    trainer into every engine's parameters (gloo on CPU, NCCL on GPU), bucket by bucket, in the
+    trainer into every engine's parameters (the device's collectives), bucket by bucket, in the
     engines' dtype (core/real/weight_broadcast.py); an engine back from a restart, which cannot
     join a broadcast alone, loads one copy through the object store and rejoins the group at the
     next sync. `object_store`: fp32 copies put in Ray's object store once per version, which every
@@ -395,7 +395,7 @@ class SyncSpec(_Frozen):
     The sim prices either (core/sim/costs.py TransferCost)."""
     bucket_mb: float = Field(64.0, gt=0, le=MAX_GB * 1024)
     """`broadcast`: the most MiB one bucket holds (a tensor larger goes alone): the extra memory a
-    sync needs on each side. 64 is meant for NCCL on GPUs (not measured); on CPU with gloo 4-16 were
+    sync needs on each side. 64 is meant for GPUs (not measured); on CPU 4-16 were
     faster than 64 (docs/results/2026-12-02-broadcast-sync.md)."""
 
     bandwidth_gb_s: float = Field(25.0, gt=0)
@@ -594,6 +594,21 @@ class LearnSpec(_Frozen):
     `learn.reward_window` steps. None: the task's own, `task.target_reward`."""
     reward_window: int = Field(5, ge=1, le=MAX_STEPS)
     """Trainer steps the batch reward is averaged over before it is compared with the target."""
+    sharding: Literal["none", "ddp", "fsdp2"] = "ddp"
+    """How the trainer's ranks (`ray.trainer_ranks`) hold the model, on any device. `ddp`: every
+    rank a whole replica, gradients summed by one all-reduce per bucket (one rank: no process
+    group at all, the plain single trainer). `fsdp2`: torch's `fully_shard` per decoder layer and
+    the root over a mesh of the ranks (one rank too): each holds a shard of every parameter and
+    of Adam's state, checkpoints are sharded (torch.distributed.checkpoint, safetensors), and a
+    weight sync gathers one tensor at a time. `none`: one rank, no process group (refused with
+    more). The device module (core/real/device.py) picks the collective backend."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The dtype the trainer computes in. Master weights and Adam's moments stay float32 either
+    way: `bfloat16` casts the parameters for the forward and backward (fsdp2: its
+    MixedPrecisionPolicy; ddp and none: autocast), as GPU users train."""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The dtype gradients are summed across ranks in (verl's FSDP default: float32). `bfloat16`
+    halves the reduction's bytes and rounds every rank's gradient to 8 bits of mantissa first."""
 
     @property
     def recomputes_prox(self) -> bool:
@@ -773,11 +788,11 @@ class RaySpec(_Frozen):
     trainer: RoleSpec = RoleSpec(num_cpus=1.0, max_concurrency=8)
     """Each trainer rank's actor."""
     trainer_ranks: int = Field(1, ge=1, le=MAX_DEVICES)
-    """Data-parallel trainer ranks, one actor each in one torch process group (gloo on CPU; on
-    GPU, FSDP2 over NCCL, untested): each trains whole groups of every minibatch, gradients
-    summed across ranks, so the update is one rank's on the whole batch. Rank 0 drives the
-    step, checkpoints and is the weight-sync source. Each rank gets ``resources.trainer_gpus``
-    / ranks devices (on CPU, torch threads), so that must divide evenly."""
+    """Data-parallel trainer ranks, one actor each in one torch process group: each trains whole
+    groups of every minibatch, gradients summed across ranks, so the update is one rank's on
+    the whole batch; `learn.sharding` says whether each holds a replica or a shard. Rank 0
+    drives the step, checkpoints and is the weight-sync source. Each rank gets
+    ``resources.trainer_gpus`` / ranks devices (on CPU, torch threads), so that must divide evenly."""
     controller: RoleSpec = RoleSpec(num_cpus=0.0, max_concurrency=256)
     """The Rollouter actor: scheduling only, no model."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
@@ -1060,6 +1075,7 @@ class Scenario(_Frozen):
                 f"use at least trainer.batch_size / workload.group_size = {bs // n}",
             )
         self._check_trainer_ranks()
+        self._check_sharding()
         self._check_faults()
         self._check_kv_fits()
         self._check_agent()
@@ -1116,6 +1132,22 @@ class Scenario(_Frozen):
             if ranks > engines:
                 raise ConfigError("ray.trainer_ranks", ranks, f"sync colocates each rank with an engine, and it has {engines}",
                                   f"use at most {engines}, or leave sync out of modes")
+
+    def _check_sharding(self) -> None:
+        ranks, sharding = self.ray.trainer_ranks, self.learn.sharding
+        if sharding == "none" and ranks > 1:
+            raise ConfigError("learn.sharding", sharding, f"one trainer holds the whole model, and ray.trainer_ranks = {ranks}",
+                              "use learn.sharding: ddp or fsdp2, or ray.trainer_ranks: 1")
+        if sharding == "fsdp2" and self.runtime == "local" and self.engine.kind == "vllm":
+            raise ConfigError("learn.sharding", sharding, "an fsdp2 trainer's process group and vLLM's own would share the local runtime's one process",
+                              "use engine.kind: torch, runtime: ray, or learn.sharding: ddp")
+        if sharding == "fsdp2" and ranks > 1:
+            groups = self.trainer.batch_size // self.workload.group_size
+            per_mb = groups // max(1, min(self.learn.minibatches, groups))
+            if per_mb < ranks:
+                raise ConfigError("learn.sharding", sharding, f"every fsdp2 rank takes part in every minibatch's forward, and a minibatch "
+                                  f"of {per_mb} groups leaves one of {ranks} ranks without a group",
+                                  "use fewer learn.minibatches or ray.trainer_ranks, or a larger trainer.batch_size")
 
     def _check_real_model(self) -> None:
         """The model a real run loads is there, its tokenizer loads, and it takes the longest

@@ -273,7 +273,7 @@ class TorchEngine(EngineMeter):
             with broken_as_collective(self.name):
                 self._receive(weights)
             return
-        state = {k: torch.from_numpy(np.asarray(v)) for k, v in weights.items()}
+        state = {k: v if isinstance(v, torch.Tensor) else torch.from_numpy(np.asarray(v)) for k, v in weights.items()}
         with torch.no_grad():
             missing, unexpected = self.model.load_state_dict(state, strict=False)
         tied = getattr(self.model.config, "tie_word_embeddings", False)

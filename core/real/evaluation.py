@@ -36,7 +36,8 @@ def evaluate(sc: Scenario, weights: Optional[dict], version: int, prompt_ids: li
         torch.set_num_threads(threads)
     model = load_model(sc.real_model_path)
     if weights is not None:
-        model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in weights.items()}, strict=False)
+        # numpy from the object store, or tensors in the engines' dtype from a local sync.
+        model.load_state_dict({k: v if isinstance(v, torch.Tensor) else torch.from_numpy(np.array(v)) for k, v in weights.items()}, strict=False)
     model.eval()
     task = make_task(sc)
     cfg = model.config

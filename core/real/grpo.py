@@ -41,11 +41,12 @@ grows with the reward lost to stale data (docs/results/2026-11-30-staleness-drif
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -53,6 +54,7 @@ import torch
 from core.model.config import LearnSpec
 from core.api import Batch, TrainBackend
 from core.model.sample import Sample
+from core.real.device import CPU, is_accelerator, mesh, synchronize
 from core.real.hf_model import load_model
 from core.real.rank_group import RankGroup, token_balanced_cuts
 
@@ -96,24 +98,24 @@ def second_moment_mask(log_w: torch.Tensor, mask: torch.Tensor, threshold: float
     return out
 
 
-def peak_flops(threads: int, device: str = "cpu") -> float:
-    """Achievable fp32 FLOP/s of ``device`` with ``threads`` intra-op threads, MEASURED by a short
-    (< 1 s) square-GEMM probe; not a datasheet figure. The denominator of the trainer's MFU."""
+def peak_flops(threads: int, device: str = CPU, dtype: str = "float32") -> float:
+    """Achievable FLOP/s of ``device`` in ``dtype`` with ``threads`` intra-op threads, MEASURED
+    by a short (< 1 s) square-GEMM probe; not a datasheet figure. The denominator of the
+    trainer's MFU, in the dtype it computes in."""
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        n = 1024 if device == "cpu" else 4096
-        a = torch.randn(n, n, device=device)
-        b = torch.randn(n, n, device=device)
-        sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+        n = 4096 if is_accelerator(device) else 1024
+        a = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
+        b = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
         a @ b  # warm-up: thread pool, allocator, kernel selection
-        sync()
+        synchronize(device)
         best = 0.0
         t_end = time.perf_counter() + 0.6
         while time.perf_counter() < t_end:
             t0 = time.perf_counter()
             a @ b
-            sync()
+            synchronize(device)
             dt = time.perf_counter() - t0
             best = max(best, 2.0 * n**3 / dt)
         return best
@@ -124,6 +126,34 @@ def peak_flops(threads: int, device: str = "cpu") -> float:
 def _full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor: a sharded one (an FSDP2 DTensor) gathered from every rank."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class GatheredParameters:
+    """A sharded model's parameters as whole tensors, each gathered from every rank when it is
+    read: a sender reading them one by one (a broadcast bucket after another) holds one whole
+    tensor at a time, never the whole model. Each read is a collective, so every rank reads
+    the same names in the same order; ``finish`` reads what was not, so that the ranks end
+    together even when a send stopped half-way."""
+
+    def __init__(self, named: dict[str, torch.Tensor]) -> None:
+        self._named = named
+        self._order = list(named)
+        self._next = 0
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if self._next >= len(self._order) or self._order[self._next] != name:
+            expected = self._order[self._next] if self._next < len(self._order) else "nothing"
+            raise KeyError(f"{name} read out of order: every rank gathers {expected} next")
+        self._next += 1
+        with torch.no_grad():
+            return _full(self._named[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._order)
+
+    def finish(self) -> None:
+        while self._next < len(self._order):
+            self[self._order[self._next]]
 
 
 class _Batch:
@@ -178,7 +208,7 @@ class TorchTrainBackend(TrainBackend):
         temperature: float = 1.0,
     ) -> None:
         self.ranks = RankGroup()  # alone until ``join``
-        self.sharded = False  # FSDP2: each rank holds a shard of every parameter (GPU only)
+        self.sharded = False  # FSDP2 (learn.sharding), from ``join`` on: each rank holds a shard of every parameter
         self.learn = learn
         self.threads = threads
         self.device = device
@@ -187,10 +217,11 @@ class TorchTrainBackend(TrainBackend):
         torch.manual_seed(seed)
         # On CPU, torch's SDPA kernels are 3-40x slower than eager attention at these sizes
         # (measured: padded batch of 64 x 80 tokens, 2 threads; decode with a padding mask worst).
-        attn = "eager" if device == "cpu" else "sdpa"
+        attn = "sdpa" if is_accelerator(device) else "eager"
         self.model = load_model(model_dir, attn_implementation=attn).to(device)
         self.model.train()
         self.opt = torch.optim.Adam(self.model.parameters(), lr=learn.lr)
+        self._device_type = torch.device(device).type
         cfg = self.model.config
         self.params = sum(p.numel() for p in self.model.parameters())
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -206,24 +237,36 @@ class TorchTrainBackend(TrainBackend):
 
     def join(self, ranks: RankGroup) -> None:
         """Train as rank ``ranks.rank`` of ``ranks.size`` from now on; every rank calls it at once.
-        On GPU the model is sharded (FSDP2: every decoder layer, then the root) and gradients
-        are reduce-scattered in the backward pass; on CPU each rank keeps the whole model (DDP)
-        and starts from rank 0's weights and optimizer state. The GPU path does not run on a
-        machine without one, and has not been run."""
+        ``learn.sharding: fsdp2`` shards the model (``fully_shard`` on every decoder layer, then
+        the root, over a mesh of the ranks; one rank too, in a group of its own) and gradients
+        are reduce-scattered in the backward pass; ``ddp`` keeps a whole replica on each rank,
+        which starts from rank 0's weights and optimizer state. The same code on every device:
+        the device module picks the collective backend."""
         with self._lock:
             self.ranks = ranks
-            if ranks.size > 1 and self.device.startswith("cuda"):
-                from torch.distributed.fsdp import fully_shard  # imported on use: only a sharded GPU trainer needs it
-
-                for layer in self.model.model.layers:
-                    fully_shard(layer)
-                fully_shard(self.model)
-                # The loss is already normalised by the whole minibatch's tokens: sum, not mean.
-                self.model.set_gradient_divide_factor(1.0)
-                self.opt = torch.optim.Adam(self.model.parameters(), lr=self.learn.lr)
-                self.sharded = True
+            if self.learn.sharding == "fsdp2" and not self.sharded:
+                self._shard()
         if ranks.size > 1 and not self.sharded:
             self._replicate()  # as DDP does: every replica starts from rank 0's
+
+    def _shard(self) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # imported on use: only a sharded trainer needs it
+
+        # Parameters are cast to param_dtype for compute; the float32 shards stay the master
+        # weights that Adam updates, and gradients are reduced in reduce_dtype.
+        policy = MixedPrecisionPolicy(param_dtype=getattr(torch, self.learn.param_dtype), reduce_dtype=getattr(torch, self.learn.reduce_dtype))
+        over = mesh(self._device_type, self.ranks.size)
+        for layer in self.model.model.layers:
+            fully_shard(layer, mesh=over, mp_policy=policy)
+        fully_shard(self.model, mesh=over, mp_policy=policy)
+        # The loss is already normalised by the whole minibatch's tokens: sum, not mean, and
+        # by a plain SUM, which every backend has (a divide factor is NCCL's PREMUL_SUM). Each
+        # fully_shard'ed module reduces its own parameters: every one is told, not the root alone.
+        for module in (*self.model.model.layers, self.model):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=self.learn.lr)
+        self.sharded = True
 
     def join_group(self, address: str, rank: int, size: int, timeout_s: float) -> None:
         """Form the process group of ``size`` ranks that rank 0 serves at ``address`` (host:port)
@@ -250,8 +293,6 @@ class TorchTrainBackend(TrainBackend):
 
     # ---- the protocol -------------------------------------------------------------------
 
-    tensor_files = ("weights", "optimizer")
-
     async def train_step(self, batch: Batch, version: int) -> dict:
         # The step's math releases the GIL, so the caller's loop keeps scheduling meanwhile.
         return await asyncio.to_thread(self._train_step, batch, version)
@@ -264,10 +305,30 @@ class TorchTrainBackend(TrainBackend):
         with self._lock, torch.no_grad():
             return {n: _full(p).detach().to("cpu", torch.float32).numpy().copy() for n, p in self.model.named_parameters()}
 
+    def weights_as(self, dtype: str) -> dict[str, torch.Tensor]:
+        """Copies of the weights in ``dtype`` on the host, cast as a broadcast casts them into
+        its buckets (``Tensor.copy_``: round to nearest even), for an engine in this process.
+        Sharded, every rank calls it at once, and one whole tensor is gathered at a time."""
+        with self._lock, torch.no_grad():
+            src = self.export()
+            out = {}
+            for n in src:
+                full = src[n]
+                out[n] = torch.empty(full.shape, dtype=getattr(torch, dtype)).copy_(full)
+            return out
+
     def parameters(self) -> dict[str, torch.Tensor]:
         """The live parameters, no copy, under the names ``save_pretrained`` writes (a tied
-        lm_head once): for a sender that casts them bucket by bucket. Read under ``lock``."""
+        lm_head once): their names, shapes and dtypes (sharded: each a DTensor of the whole
+        shape). Read under ``lock``."""
         return dict(self.model.named_parameters())
+
+    def export(self) -> dict[str, torch.Tensor] | GatheredParameters:
+        """What a weight sync reads, by name in ``parameters`` order: the live parameters, or,
+        sharded, each gathered whole as it is read (``GatheredParameters``: a collective that
+        every rank takes part in, reading the same names in the same order). Under ``lock``."""
+        named = self.parameters()
+        return GatheredParameters(named) if self.sharded else named
 
     @property
     def lock(self):
@@ -276,7 +337,7 @@ class TorchTrainBackend(TrainBackend):
 
     def load_weights(self, weights: dict[str, np.ndarray]) -> None:
         if self.sharded:
-            raise ValueError("a sharded trainer loads weights through load(), on every rank at once")
+            raise ValueError("a sharded trainer restores through load_shards, on every rank at once")
         with self._lock, torch.no_grad():
             params = dict(self.model.named_parameters())
             missing = params.keys() - weights.keys()
@@ -291,25 +352,32 @@ class TorchTrainBackend(TrainBackend):
 
     def state_dict(self) -> dict[str, dict[str, np.ndarray]]:
         """What a checkpoint keeps of the trainer: weights and Adam's moments, by parameter name.
-        The ranks' are identical, so rank 0 alone saves (sharded, every rank calls it at once)."""
+        The ranks' are identical, so rank 0 alone saves. A sharded trainer keeps none here:
+        every rank writes its shards (``save_shards``)."""
+        if self.sharded:
+            return {}
         with self._lock, torch.no_grad():
             opt = {}
             for n, p in self.model.named_parameters():
                 st = self.opt.state.get(p)
                 if st:
                     for k, v in st.items():
-                        opt[f"{n}::{k}"] = _full(v).detach().to("cpu").numpy().copy()
+                        opt[f"{n}::{k}"] = v.detach().to("cpu").numpy().copy()
         return {"weights": self.weights(), "optimizer": opt}
+
+    @property
+    def tensor_files(self) -> tuple[str, ...]:
+        """The safetensors files ``state_dict`` gives a checkpoint; none when sharded."""
+        return () if self.sharded else ("weights", "optimizer")
 
     def load(self, tensors: Optional[dict[str, dict[str, np.ndarray]]]) -> None:
         """Back to a checkpoint: weights and optimizer state as ``state_dict`` wrote them.
         With ranks every rank calls it at once, rank 0 with the tensors and the others with
         None: they receive rank 0's weights and optimizer state."""
+        if self.sharded:
+            raise ValueError("a sharded trainer restores through load_shards, on every rank at once")
         if tensors is None and self.ranks.rank == 0:
             raise ValueError("rank 0 restores from the checkpoint's tensors; only the other ranks receive them")
-        if self.sharded:
-            self._load_sharded(tensors)
-            return
         if tensors is not None:
             self.load_weights(tensors["weights"])
             with self._lock, torch.no_grad():
@@ -341,40 +409,56 @@ class TorchTrainBackend(TrainBackend):
                     st.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
                 ranks.broadcast_([st["step"], st["exp_avg"], st["exp_avg_sq"]])
 
-    def _load_sharded(self, tensors: Optional[dict[str, dict[str, np.ndarray]]]) -> None:
-        """FSDP2: rank 0's full tensors scattered into every rank's shards (a collective)."""
-        from torch.distributed.tensor import distribute_tensor  # imported on use: only a sharded GPU trainer needs it
+    # ---- sharded checkpoints --------------------------------------------------------------
 
-        def scatter(into: torch.Tensor, full: Optional[np.ndarray]) -> None:
-            src = torch.from_numpy(np.asarray(full)).to(self.device) if full is not None else torch.empty(into.shape, dtype=into.dtype, device=self.device)
-            into.copy_(distribute_tensor(src.to(into.dtype), into.device_mesh, into.placements, src_data_rank=0))
+    def _sharded_state(self) -> dict[str, torch.Tensor]:
+        """Every tensor a sharded checkpoint holds, by name: each parameter's shard and its Adam
+        state (``name::exp_avg``, ``name::exp_avg_sq`` sharded alike, ``name::step`` a scalar
+        every rank holds). Adam's state is made before the first step, zero, as Adam itself
+        would make it, so a checkpoint always has the same tensors."""
+        out: dict[str, torch.Tensor] = {}
+        for n, p in self.model.named_parameters():
+            st = self.opt.state[p]
+            if "step" not in st:
+                st.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            out[n] = p.data
+            for k in ("step", "exp_avg", "exp_avg_sq"):
+                out[f"{n}::{k}"] = st[k]
+        return out
+
+    def save_shards(self, into: str | Path) -> None:
+        """Sharded: write this rank's shards into the directory ``into`` as every rank does at
+        once (torch.distributed.checkpoint in safetensors files, which hold raw tensors and
+        their offsets: no code runs on load, unlike its default pickled metadata). Ranks on
+        several nodes need ``into`` on storage they all mount."""
+        import torch.distributed.checkpoint as dcp
 
         with self._lock, torch.no_grad():
-            named = list(self.model.named_parameters())
-            for n, p in named:
-                scatter(p, tensors["weights"][n] if tensors is not None else None)
-            has = torch.tensor([float(bool(tensors and tensors["optimizer"]))], dtype=torch.float64, device=self.device)
-            self.ranks.broadcast_([has])
-            self.opt.state.clear()
-            if not float(has):
-                return
-            opt = tensors["optimizer"] if tensors is not None else {}
-            for n, p in named:
-                st = self.opt.state[p]
-                step = torch.tensor(float(opt[f"{n}::step"]) if tensors is not None else 0.0, device=self.device)
-                self.ranks.broadcast_([step])
-                st["step"] = step.cpu()
-                for k in ("exp_avg", "exp_avg_sq"):
-                    st[k] = torch.zeros_like(p)
-                    scatter(st[k], opt.get(f"{n}::{k}"))
+            dcp.save(self._sharded_state(), storage_writer=dcp.HuggingFaceStorageWriter(str(into), save_distributed=True))
+
+    def load_shards(self, path: str | Path) -> None:
+        """Sharded: every rank reads its shards from ``save_shards``' directory at once; the
+        checkpoint may have been written by another number of ranks (resharded on load)."""
+        import torch.distributed.checkpoint as dcp
+
+        with self._lock, torch.no_grad():
+            state = self._sharded_state()
+            dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
 
     # ---- the math -----------------------------------------------------------------------
 
     def _logprobs(self, batch: _Batch) -> torch.Tensor:
         """log pi(target) at temperature T, shape (B, T-1)."""
-        logits = self.model(input_ids=batch.ids, attention_mask=batch.attn, use_cache=False).logits[:, :-1]
+        with self._compute_cast():
+            logits = self.model(input_ids=batch.ids, attention_mask=batch.attn, use_cache=False).logits[:, :-1]
         logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
         return logp.gather(-1, batch.ids[:, 1:, None]).squeeze(-1)
+
+    def _compute_cast(self):
+        """bfloat16 compute over float32 weights where FSDP2 does not cast them itself."""
+        if self.learn.param_dtype == "float32" or self.sharded:
+            return contextlib.nullcontext()
+        return torch.autocast(self._device_type, dtype=getattr(torch, self.learn.param_dtype))
 
     def _loss(
         self, batch: _Batch, prox: Optional[torch.Tensor], correction: str, ntok: Optional[torch.Tensor] = None
@@ -517,13 +601,12 @@ class TorchTrainBackend(TrainBackend):
                 if loss is not None:
                     loss.backward()
                 if not self.sharded:  # FSDP2 reduce-scatters in the backward pass
-                    ranks.sum_grads(params)
+                    ranks.sum_grads(params, dtype=getattr(torch, self.learn.reduce_dtype))
                 norm = torch.nn.utils.clip_grad_norm_(params, self.learn.grad_clip)
                 norms.append(float(_full(norm)))
                 self.opt.step()
             self.opt.zero_grad(set_to_none=True)
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
+        synchronize(self.device)
         return {"losses": losses, "norms": norms, "acc": acc, "comm_s": ranks.comm_s - comm0}
 
     def summary(self, step_batch: Batch, version: int, learned: dict, dt: float) -> dict:

@@ -5,7 +5,8 @@ Every rank holds the whole model (DDP) on CPU, and on GPU a shard of it (FSDP2, 
 ``TorchTrainBackend``). Gradients are summed with one all-reduce per bucket after the
 backward pass, not by ``DistributedDataParallel``'s hooks: the step decides between backward
 and the update whether to update at all (a minibatch with no signal anywhere), and a rank may
-hold no sample of a minibatch, which DDP's hooks cannot express. ``gloo`` on CPU, NCCL on GPU.
+hold no sample of a minibatch, which DDP's hooks cannot express. The device module
+(core/real/device.py) picks the backend.
 A group of one rank has no process group: every collective is the identity, so a single
 trainer runs exactly the code it ran before ranks existed.
 """
@@ -14,10 +15,11 @@ from __future__ import annotations
 
 import logging
 import time
-from datetime import timedelta
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
+
+from core.real.device import join_default_group
 
 log = logging.getLogger(__name__)
 
@@ -36,30 +38,34 @@ class RankGroup:
         self.rank = rank
         self.size = size
         self.comm_s = 0.0
+        self.formed = size > 1  # this process is in a process group it formed, to be left
 
     @classmethod
     def join(cls, address: str, rank: int, size: int, device: str, timeout_s: float) -> "RankGroup":
         """Form (or join) the process group of ``size`` ranks that rank 0 serves at
         ``address`` (host:port); blocks until every rank has joined. A process joins one group
         at a time: a group it was in before is left first."""
-        import torch.distributed as dist
-
         if size == 1:
             return cls()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        dist.init_process_group(
-            backend, init_method=f"tcp://{address}", rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s)
-        )
+        backend = join_default_group(address, rank, size, device, timeout_s)
         log.info("trainer rank %d of %d joined the %s group at %s", rank, size, backend, address)
         return cls(rank, size)
+
+    @classmethod
+    def alone(cls, device: str, timeout_s: float) -> "RankGroup":
+        """A group of this process alone, with a process group all the same: what a sharded
+        (FSDP2) trainer of one rank needs for its mesh. Collectives stay the identity."""
+        join_default_group(None, 0, 1, device, timeout_s)
+        ranks = cls()
+        ranks.formed = True
+        return ranks
 
     def leave(self) -> None:
         import torch.distributed as dist
 
-        if self.size > 1 and dist.is_initialized():
+        if self.formed and dist.is_initialized():
             dist.destroy_process_group()
+        self.formed = False
 
     # ---- collectives: every rank calls the same ones in the same order ------------------
 
@@ -105,9 +111,10 @@ class RankGroup:
         for t in tensors:
             self._timed(dist.broadcast, t, src=src)
 
-    def sum_grads(self, params: list[torch.nn.Parameter], bucket_bytes: int = BUCKET_BYTES) -> None:
-        """Every parameter's gradient replaced by its sum over the ranks; a rank with no
-        gradient for a parameter (it held no sample) adds zeros."""
+    def sum_grads(self, params: list[torch.nn.Parameter], bucket_bytes: int = BUCKET_BYTES, dtype: Optional[torch.dtype] = None) -> None:
+        """Every parameter's gradient replaced by its sum over the ranks, summed in ``dtype``
+        (None: the gradients' own); a rank with no gradient for a parameter (it held no
+        sample) adds zeros."""
         if self.size == 1:
             return
         for p in params:
@@ -119,13 +126,15 @@ class RankGroup:
             bucket.append(p.grad)
             size += p.grad.numel() * p.grad.element_size()
             if size >= bucket_bytes:
-                self._sum_bucket(bucket)
+                self._sum_bucket(bucket, dtype)
                 bucket, size = [], 0
         if bucket:
-            self._sum_bucket(bucket)
+            self._sum_bucket(bucket, dtype)
 
-    def _sum_bucket(self, grads: list[torch.Tensor]) -> None:
+    def _sum_bucket(self, grads: list[torch.Tensor], dtype: Optional[torch.dtype]) -> None:
         flat = torch.cat([g.reshape(-1) for g in grads])
+        if dtype is not None and dtype != flat.dtype:
+            flat = flat.to(dtype)
         self.sum_(flat)
         at = 0
         for g in grads:

@@ -2,10 +2,10 @@
 engines' dtype, loaded in place: no file, no object-store hop, no fp32 copy of the model.
 
 The group is stateless: a ``TCPStore`` served by the trainer (rank 0, on a free port of its
-node) and a ``ProcessGroupGloo`` (``ProcessGroupNCCL`` on GPU) built on a prefix of it, never
-torch.distributed's default group, which vLLM initializes for itself in the engine's process.
-The GPU path (NCCL, buckets on the device) is written for GPUs but was not run here: this
-machine has none.
+node) and a process group of the device's backend (core/real/device.py) built on a prefix of
+it, never torch.distributed's default group, which vLLM initializes for itself in the
+engine's process. The GPU path (buckets on the device) is written for GPUs but has not run
+on one (docs/gpu.md).
 
 One sync (a *ticket*, numbered ``seq``) runs in three steps, all through the store:
 
@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 from core.api import CollectiveTicket
 from core.model.faults import CollectiveBroken
+from core.real.device import process_group
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class ManifestMismatch(ValueError):
 
 @contextlib.contextmanager
 def broken_as_collective(who: str) -> Iterator[None]:
-    """What gloo, NCCL or the store raise when a member died or hung mid-sync, as
+    """What the collective backend or the store raise when a member died or hung mid-sync, as
     ``CollectiveBroken``: the caller sends the sync again to those still up. A manifest
     mismatch is not one: it would fail again."""
     try:
@@ -198,25 +199,15 @@ def _store(host: str, port: int, master: bool, timeout_s: float) -> Any:
 
 
 class Communicator:
-    """A broadcast group of ``world`` ranks on a prefix of a store: gloo on CPU, NCCL on GPU."""
+    """A broadcast group of ``world`` ranks on a prefix of a store, on the device's collective
+    backend (core/real/device.py)."""
 
     def __init__(self, store: Any, prefix: str, rank: int, world: int, device: str, timeout_s: float) -> None:
-        import datetime
-
         torch = _torch()
-        dist = torch.distributed
         self.rank, self.world, self.device = rank, world, device
-        scoped = dist.PrefixStore(prefix, store)
-        timeout = datetime.timedelta(seconds=timeout_s)
-        if device == "cpu":
-            self.pg = dist.ProcessGroupGloo(scoped, rank, world, timeout)
-        else:
-            # Not run here (no GPU): ProcessGroupNCCL needs no default group either, and
-            # each rank binds its own device. vLLM's PyNcclCommunicator is the alternative
-            # where torch's NCCL and vLLM's would clash.
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            self.pg = dist.ProcessGroupNCCL(scoped, rank, world, opts)
+        # Not run on a GPU yet (docs/gpu.md). vLLM's PyNcclCommunicator is the alternative
+        # where torch's collectives and vLLM's would clash.
+        self.pg = process_group(torch.distributed.PrefixStore(prefix, store), rank, world, device, timeout_s)
 
     def broadcast(self, tensor: Any) -> None:
         self.pg.broadcast(tensor, 0).wait()
@@ -233,9 +224,9 @@ class Communicator:
 
 def formed(make: Callable[[], Communicator], answered: threading.Event, timeout_s: float, members: tuple[str, ...]) -> Communicator:
     """``make()``, the source's side of a new group, given up on once every member's call is
-    over without it (``CollectiveBroken``) or after ``timeout_s``. gloo's rendezvous waits with
+    over without it (``CollectiveBroken``) or after ``timeout_s``. The CPU backend's rendezvous waits with
     no end for a member that checked in and died before connecting (seen: a node lost at that
-    moment held the trainer for ten minutes, past gloo's own timeout), so it runs in a thread
+    moment held the trainer for ten minutes, past the backend's own timeout), so it runs in a thread
     of its own; a group that thread makes after it was given up on is closed."""
     lock = threading.Lock()
     box: dict[str, Any] = {}

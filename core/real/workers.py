@@ -14,6 +14,7 @@ import numpy as np
 
 from core.model.config import Scenario
 from core.model.timeline import Timeline
+from core.real.device import device
 from core.real.engine_vllm import VllmEngine
 
 # The environment of every process of a real run. No model hub is reachable (or wanted):
@@ -32,13 +33,6 @@ def apply_env() -> None:
 
     for k, v in REAL_RUNTIME_ENV.items():
         os.environ.setdefault(k, v)
-
-
-def device() -> str:
-    """``cuda`` when torch sees a GPU, else ``cpu``."""
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def make_engine(sc: Scenario, name: str, threads: int, timeline: Optional[Timeline], seed: int):
@@ -69,25 +63,34 @@ def make_engine(sc: Scenario, name: str, threads: int, timeline: Optional[Timeli
 
 
 def make_backend(sc: Scenario, threads: int):
-    """The torch GRPO trainer, with its device's peak FLOP/s measured for ``util/mfu``."""
+    """The torch GRPO trainer, with its device's peak FLOP/s (in the dtype it computes in)
+    measured for ``util/mfu``. An fsdp2 trainer of one rank is sharded here, in a group of its
+    own; ranks that form a group together shard when they join it."""
     from core.real.grpo import TorchTrainBackend, peak_flops  # imports torch: only a real run pays for it
+    from core.real.rank_group import RankGroup
 
     dev = device()
     backend = TorchTrainBackend(
         sc.real_model_path, sc.learn, threads=threads, device=dev, seed=sc.seed, temperature=sc.engine.temperature
     )
-    backend.peak_flops = peak_flops(threads, dev)
+    if sc.learn.sharding == "fsdp2" and sc.ray.trainer_ranks == 1:
+        backend.join(RankGroup.alone(dev, sc.timeouts.restart_s))
+    backend.peak_flops = peak_flops(threads, dev, sc.learn.param_dtype)
     return backend
 
 
 class LocalWeightTransfer:
-    """In one process the engines load a copy of the trainer's weights: no transfer but the copy."""
+    """In one process the engines load a copy of the trainer's weights in their own dtype, cast
+    as a broadcast casts them: no transfer but the copy. ``bytes``: the latest sync's."""
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: Any, dtype: str) -> None:
         self.backend = backend
+        self.dtype = dtype
         self.latest: Optional[tuple[int, dict]] = None
+        self.bytes = 0
 
-    async def send(self, version: int) -> dict[str, np.ndarray]:
-        weights = await asyncio.to_thread(self.backend.weights)
+    async def send(self, version: int) -> dict:
+        weights = await asyncio.to_thread(self.backend.weights_as, self.dtype)
+        self.bytes = sum(t.numel() * t.element_size() for t in weights.values())
         self.latest = (version, weights)
         return weights

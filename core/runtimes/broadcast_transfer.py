@@ -51,8 +51,21 @@ class BroadcastTransfer(CollectiveTransfer):
             self.latest = (ticket.version, [self.put(weights)])
 
     def _send(self, ticket: BroadcastTicket, answered: threading.Event) -> SendStats:
+        exported = []
+
+        def tensors():
+            # Read once the group is up; a sharded trainer's ranks gather each tensor as it is packed.
+            exported.append(self.backend.export())
+            return exported[-1]
+
         with self.backend.lock:
-            return self.source.send(ticket, self.backend.parameters, self.manifest, answered)
+            try:
+                return self.source.send(ticket, tensors, self.manifest, answered)
+            finally:
+                for e in exported:
+                    finish = getattr(e, "finish", None)
+                    if finish is not None:
+                        finish()  # the ranks end their gathers together, even after a broken send
 
     def close(self) -> None:
         self.source.close()

@@ -16,7 +16,7 @@ from core.model.timeline import Timeline
 from core.pipeline.wiring import ProgressFn, Workers
 from core.real.evaluation import Evaluations
 from core.real.reward import TaskPrompts, TaskReward, make_task
-from core.real.hf_model import ensure_model_dir
+from core.real.hf_model import ensure_model_dir, model_dtype
 from core.real.workers import LocalWeightTransfer, apply_env, make_backend, make_engine
 from core.runtimes.agent import make_agent
 from core.runtimes.inproc import connect_inproc, drive
@@ -38,7 +38,7 @@ def local_workers(plan: RunPlan, timeline: Timeline, run_dir: Optional[Path] = N
     backend = make_backend(sc, place.trainer_gpus)
     task = make_task(sc)
     return Workers(
-        engines, backend, LocalWeightTransfer(backend), TaskPrompts(task), TaskReward(task),
+        engines, backend, LocalWeightTransfer(backend, model_dtype(sc.real_model_path, sc.engine.dtype)), TaskPrompts(task), TaskReward(task),
         spread=Workload(sc.workload, sc.seed).reward_spread, agent=make_agent(plan, task, run_dir),
     )
 

@@ -31,7 +31,7 @@ from core.model.faults import FaultLog, FaultRecord
 from core.model.ledger import Ledger
 from core.pipeline.wiring import System
 from core.runtimes.run_state import RolloutSide, TrainerSide
-from core.store.checkpoint import STATE_FILE, CheckpointError, Snapshot, latest, load, load_tensors, save
+from core.store.checkpoint import CORRUPT_FIX, SHARDS_DIR, STATE_FILE, CheckpointError, Snapshot, latest, load, load_tensors, save
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +94,8 @@ def save_run(system: System, version: int, t0: float, t1: float, at_start: bool 
         log.info("checkpoint at version %d skipped: a component is being restarted", version)
         return None
     snap = capture(system, version, t0, t1, at_start)
-    tensors = system.train_backend.state_dict() or None
-    path = save(checkpoint_dir(system.run_dir, system.mode), system.trainer.step, snap, tensors, keep=sc.checkpoint.keep)
+    path = save(checkpoint_dir(system.run_dir, system.mode), system.trainer.step, snap, keep=sc.checkpoint.keep,
+                **backend_tensors(system.train_backend))
     system.queue.ack()
     return path
 
@@ -279,9 +279,28 @@ def restart_trainer_side(side: TrainerSide, run_dir: Path, mode: str, zero: floa
     load_backend(side.backend, found)
 
 
+def backend_tensors(backend: TrainBackend) -> dict:
+    """What ``save`` writes of the backend: its tensor files, or a sharded trainer's shards,
+    which every rank writes itself."""
+    if backend.sharded:
+        return {"shards": backend.save_shards}
+    return {"tensors": backend.state_dict() or None}
+
+
 def load_backend(backend: TrainBackend, path: Path) -> None:
-    """The backend's tensors (a real one's weights and optimizer; the sim's has none)."""
-    backend.load({stem: load_tensors(path, stem) for stem in backend.tensor_files})
+    """The backend's tensors (a real one's weights and optimizer, or every rank's shards; the
+    sim's has none)."""
+    if not backend.sharded:
+        backend.load({stem: load_tensors(path, stem) for stem in backend.tensor_files})
+        return
+    shards = Path(path) / SHARDS_DIR
+    if not shards.is_dir():
+        raise CheckpointError(str(shards), "is missing: the checkpoint was not taken by a sharded trainer",
+                              "resume with the learn.sharding the run was started with")
+    try:
+        backend.load_shards(shards)
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        raise CheckpointError(str(shards), f"could not be read into the sharded trainer ({exc})", CORRUPT_FIX) from None
 
 
 def save_trainer_side(
@@ -296,8 +315,7 @@ def save_trainer_side(
     state, groups = side.state(zero)
     snap = Snapshot(state={**header(sc, mode, None if at_start else {"version": version}, side="trainer"), **state})
     snap.groups.update(groups)
-    tensors = side.backend.state_dict() or None
-    return save(checkpoint_dir(run_dir, mode), side.trainer.step, snap, tensors, keep=None)
+    return save(checkpoint_dir(run_dir, mode), side.trainer.step, snap, keep=None, **backend_tensors(side.backend))
 
 
 def restore_latest(system: System) -> Optional[tuple[int, float, float]]:

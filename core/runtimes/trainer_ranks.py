@@ -4,10 +4,11 @@ checkpoints and is the weight-sync source; ranks 1..N-1 are ``TrainerRankHost`` 
 hold a backend and do what rank 0 asks, in the same torch process group (core/real/rank_group.py).
 
     TrainerHost ── RankedBackend.train_step(batch) ──► shards per rank (whole groups)
-        │ learn_part(own shards)   ◄── all-reduce (gloo / NCCL) ──►  TrainerRankHost.learn(shards) × N-1
+        │ learn_part(own shards)   ◄── collectives ──►  TrainerRankHost.learn(shards) × N-1
 
 Every collective is entered by every rank: a step, a restore (rank 0 loads the checkpoint's
-tensors, the others receive them by broadcast) and, sharded on GPU, a weight export. A rank 0
+tensors, the others receive them by broadcast; sharded, each reads its own shards) and,
+sharded, a weight export (one tensor gathered at a time) and a checkpoint. A rank 0
 that Ray restarts forms a new group: the driver restarts the other ranks first, and the new
 rank 0 restores all of them from its checkpoint.
 """
@@ -50,12 +51,22 @@ class TrainerRankHost(ActorIdentity):
         await asyncio.to_thread(self.backend.load, None)
 
     async def gather_weights(self) -> None:
-        """Sharded: take part in rank 0's weight export (the full tensors stay on rank 0)."""
+        """Sharded: take part in rank 0's weight gather (the full tensors stay on rank 0)."""
         await asyncio.to_thread(self.backend.weights)
 
-    async def gather_state(self) -> None:
-        """Sharded: take part in rank 0's checkpoint."""
-        await asyncio.to_thread(self.backend.state_dict)
+    async def export(self) -> None:
+        """Sharded: take part in rank 0's weight sync, one tensor gathered at a time."""
+        await asyncio.to_thread(self._export)
+
+    def _export(self) -> None:
+        with self.backend.lock:
+            self.backend.export().finish()
+
+    async def save_shards(self, into: str) -> None:
+        await asyncio.to_thread(self.backend.save_shards, into)
+
+    async def load_shards(self, path: str) -> None:
+        await asyncio.to_thread(self.backend.load_shards, path)
 
 
 class RankedBackend:
@@ -92,20 +103,50 @@ class RankedBackend:
             return self.backend.weights()  # every rank holds the same whole weights
         return self._with_peers("gather_weights", self.backend.weights)
 
-    def state_dict(self):
+    def export(self):
+        """Rank 0's tensors for a weight sync; sharded, the other ranks gather each with it as
+        it is read (``finish`` ends their part). Called under ``lock``, in a worker thread."""
+        own = self.backend.export()
         if not self.backend.sharded:
-            return self.backend.state_dict()
-        return self._with_peers("gather_state", self.backend.state_dict)
+            return own
+        return _PeersGathering(own, [p.export.remote() for p in self.peers])
+
+    def state_dict(self):
+        return self.backend.state_dict()  # whole replicas: rank 0's is everyone's; sharded: none
 
     def load(self, tensors) -> None:
         """Rank 0 loads ``tensors``; the others receive them (called in a worker thread)."""
         self._with_peers("load", lambda: self.backend.load(tensors))
 
-    def _with_peers(self, call: str, own):
-        refs = [getattr(p, call).remote() for p in self.peers]
+    def save_shards(self, into) -> None:
+        self._with_peers("save_shards", lambda: self.backend.save_shards(into), str(into))
+
+    def load_shards(self, path) -> None:
+        self._with_peers("load_shards", lambda: self.backend.load_shards(path), str(path))
+
+    def _with_peers(self, call: str, own, *args):
+        refs = [getattr(p, call).remote(*args) for p in self.peers]
         out = own()
         ray_module().get(refs)
         return out
+
+
+class _PeersGathering:
+    """Rank 0's ``GatheredParameters`` while the other ranks gather with it: ``finish`` ends
+    rank 0's part, then waits for theirs."""
+
+    def __init__(self, own, refs: list) -> None:
+        self.own, self.refs = own, refs
+
+    def __getitem__(self, name: str):
+        return self.own[name]
+
+    def __iter__(self):
+        return iter(self.own)
+
+    def finish(self) -> None:
+        self.own.finish()
+        ray_module().get(self.refs)
 
 
 def _free_port() -> int:

@@ -15,6 +15,7 @@ class SimTrainBackend(TrainBackend):
     batch's importance weights change nothing here; nothing to checkpoint but counters."""
 
     tensor_files: tuple[str, ...] = ()
+    sharded = False
 
     def __init__(self, cost: TrainCost) -> None:
         self.cost = cost

@@ -28,7 +28,7 @@ import struct
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -63,7 +63,7 @@ class CheckpointError(Exception):
         super().__init__(f"{where}:{at} {problem}; fix: {fix}")
 
 
-_CORRUPT_FIX = "delete this checkpoint to resume from the one before it, or start the run again"
+CORRUPT_FIX = "delete this checkpoint to resume from the one before it, or start the run again"
 
 
 @dataclass
@@ -96,7 +96,7 @@ def decode(buf: bytes, where: str = "checkpoint") -> Snapshot:
     mv = memoryview(buf)
     n = len(mv)
     if n < HEADER.size:
-        raise CheckpointError(where, f"truncated: {n} bytes, less than the {HEADER.size}-byte header", _CORRUPT_FIX, n)
+        raise CheckpointError(where, f"truncated: {n} bytes, less than the {HEADER.size}-byte header", CORRUPT_FIX, n)
     magic, version, flags, count, size = HEADER.unpack_from(mv, 0)
     if magic != MAGIC:
         raise CheckpointError(where, "not an asyncrl checkpoint (bad magic)", "pass a checkpoint file or a run directory", 0)
@@ -106,21 +106,21 @@ def decode(buf: bytes, where: str = "checkpoint") -> Snapshot:
             "resume with the asyncrl version that wrote it, or start the run again", 8,
         )
     if flags:
-        raise CheckpointError(where, f"unknown flags {flags:#06x}", _CORRUPT_FIX, 10)
+        raise CheckpointError(where, f"unknown flags {flags:#06x}", CORRUPT_FIX, 10)
     if n - HEADER.size != size:
         problem = "truncated" if n - HEADER.size < size else "trailing bytes"
-        raise CheckpointError(where, f"{problem}: header says {size} payload bytes, file has {n - HEADER.size}", _CORRUPT_FIX, n)
+        raise CheckpointError(where, f"{problem}: header says {size} payload bytes, file has {n - HEADER.size}", CORRUPT_FIX, n)
     if not 1 <= count <= MAX_RECORDS:
-        raise CheckpointError(where, f"record count {count} out of range", _CORRUPT_FIX, 12)
+        raise CheckpointError(where, f"record count {count} out of range", CORRUPT_FIX, 12)
     snap = Snapshot(state={})
     at = HEADER.size
     for i in range(count):
         if n - at < FRAME.size:
-            raise CheckpointError(where, f"record {i}: truncated frame", _CORRUPT_FIX, at)
+            raise CheckpointError(where, f"record {i}: truncated frame", CORRUPT_FIX, at)
         (length,) = FRAME.unpack_from(mv, at)
         at += FRAME.size
         if length > n - at:
-            raise CheckpointError(where, f"record {i}: length {length} runs past the end", _CORRUPT_FIX, at - FRAME.size)
+            raise CheckpointError(where, f"record {i}: length {length} runs past the end", CORRUPT_FIX, at - FRAME.size)
         try:
             rec = codec.decode(mv[at : at + length])
             if i == 0:
@@ -131,10 +131,10 @@ def decode(buf: bytes, where: str = "checkpoint") -> Snapshot:
                     raise codec.CodecError(f"group record with slot {slot!r}, expected one of {SLOTS}")
                 snap.groups[slot].append(from_record(rec))
         except codec.CodecError as exc:
-            raise CheckpointError(where, f"record {i}: {exc}", _CORRUPT_FIX, at) from None
+            raise CheckpointError(where, f"record {i}: {exc}", CORRUPT_FIX, at) from None
         at += length
     if at != n:
-        raise CheckpointError(where, f"{n - at} bytes after the last record", _CORRUPT_FIX, at)
+        raise CheckpointError(where, f"{n - at} bytes after the last record", CORRUPT_FIX, at)
     return snap
 
 
@@ -184,10 +184,15 @@ def fsync_dir(path: Path) -> None:
 STATE_FILE = "state.ckpt"
 
 
-def save(root: Path, step: int, snap: Snapshot, tensors: Optional[dict[str, dict]] = None, keep: Optional[int] = 2) -> Path:
+SHARDS_DIR = "shards"
+
+
+def save(root: Path, step: int, snap: Snapshot, tensors: Optional[dict[str, dict]] = None, keep: Optional[int] = 2,
+         shards: Optional[Callable[[Path], None]] = None) -> Path:
     """Write checkpoint ``root/step-NNNNNN/`` atomically (built aside, fsynced, renamed) and
     keep the newest ``keep`` (None: prune nothing; the caller does once the checkpoint is
-    complete). ``tensors`` maps a file stem to a safetensors dict."""
+    complete). ``tensors`` maps a file stem to a safetensors dict; ``shards`` writes a sharded
+    trainer's files (every rank's) into the directory it is given, before the rename."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
@@ -199,6 +204,13 @@ def save(root: Path, step: int, snap: Snapshot, tensors: Optional[dict[str, dict
             from safetensors.numpy import save as st_save
 
             write_atomic(tmp / f"{stem}.safetensors", st_save({k: np.ascontiguousarray(v) for k, v in tens.items()}))
+        if shards is not None:
+            (tmp / SHARDS_DIR).mkdir()
+            shards(tmp / SHARDS_DIR)
+            for f in (tmp / SHARDS_DIR).iterdir():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+            fsync_dir(tmp / SHARDS_DIR)
         remove_owned(final, "checkpoint")
         os.rename(tmp, final)
         fsync_dir(root)
@@ -253,8 +265,8 @@ def load_tensors(path: Path, stem: str) -> dict[str, np.ndarray]:
     from safetensors.numpy import load as st_load
 
     f = Path(path) / f"{stem}.safetensors"
-    data = read_file(f, _CORRUPT_FIX)
+    data = read_file(f, CORRUPT_FIX)
     try:
         return st_load(data)
     except (SafetensorError, ValueError) as exc:
-        raise CheckpointError(str(f), f"not a valid safetensors file ({exc})", _CORRUPT_FIX) from None
+        raise CheckpointError(str(f), f"not a valid safetensors file ({exc})", CORRUPT_FIX) from None
