@@ -182,6 +182,8 @@ class TrainBackend(Protocol):
 class WeightTransfer(Protocol):
     """A point-to-point transfer: the trainer publishes, then the engines load what it returns."""
 
+    bytes: Optional[int]  # what the latest send moved (in the engines' dtype where it casts); None: not counted
+
     async def send(self, version: int) -> Any:
         """Publish the trainer's weights as ``version``; returns what every engine loads."""
 
@@ -200,6 +202,8 @@ class CollectiveTicket(ABC):
 class CollectiveTransfer(ABC):
     """A collective transfer (a broadcast): ParamSync hands the rollout side a ticket, then sends
     while the engines receive; the two run at once."""
+
+    bytes: Optional[int] = None  # what the latest send moved; None: not counted
 
     @abstractmethod
     def ticket(self, version: int) -> CollectiveTicket: ...

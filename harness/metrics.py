@@ -115,6 +115,7 @@ def collect(
         "sync/pause_mean_s": _mean(ps.pause_s),
         "sync/drain_mean_s": _mean(ps.drain_s),
         "sync/transfer_mean_s": _mean(ps.transfer_s),
+        **({"sync/bytes_mean": _mean(ps.bytes)} if ps.bytes else {}),
         "util/rollout_busy": engine_busy / (len(engines) * end) if end else 0.0,
         "util/rollout_batch_mean": sum(e.seq_s for e in engines) / engine_busy if engine_busy else 0.0,
         "util/trainer_busy": trainer_compute / end if end else 0.0,

@@ -35,6 +35,7 @@ INNER_ALLOWED = {
     ("core.runtimes.dispatch", "core.runtimes.ray_env"),
     ("core.real.workers", "core.real.engine_torch"),
     ("core.real.workers", "core.real.grpo"),
+    ("core.real.workers", "core.real.rank_group"),
 }
 
 
@@ -240,3 +241,19 @@ def test_one_seam_takes_and_puts_back_the_components_state():
     assert not {m: ls for m, ls in found.items() if ls}
     assert _component_state_calls(MODULES[SNAPSHOT_SEAM].read_text())  # the seam itself is still seen
     assert _component_state_calls("self.rollouter.restore(st, [], [], paused=True)")
+
+
+# -- the device seam (issue 36): one module names the accelerator and the collective backends --
+DEVICE_SEAM = "core.real.device"
+DEVICE_WORDS = ("cuda", "nccl", "gloo")
+
+
+def _names_a_device(source: str) -> list[int]:
+    return [i for i, line in enumerate(source.splitlines(), 1) if any(w in line for w in DEVICE_WORDS)]
+
+
+def test_only_the_device_module_names_the_accelerator_or_a_collective_backend():
+    """Comments and docstrings too: the CPU path CI runs and the GPU path differ in one file."""
+    found = {m: _names_a_device(p.read_text()) for m, p in MODULES.items() if m.startswith("core") and m != DEVICE_SEAM}
+    assert not {m: ls for m, ls in found.items() if ls}
+    assert _names_a_device(MODULES[DEVICE_SEAM].read_text())  # the seam itself is still seen

@@ -12,7 +12,7 @@ from core.api import RunStopped
 from core.runtimes.dispatch import run_mode
 from core.runtimes.ray_checkpoint import ROLLOUT_FILE, latest_whole
 from core.runtimes.run_checkpoint import checkpoint_dir
-from core.store.checkpoint import checkpoints, load
+from core.store.checkpoint import SHARDS_DIR, checkpoints, load
 from tests.test_runtimes import assert_recovered_run, small
 
 # The ray runtime's resume is the subject: `make test`'s pure-Python pass skips it.
@@ -91,3 +91,25 @@ def test_a_killed_rollout_actor_brings_the_run_back_to_its_last_whole_checkpoint
     assert 1 <= kept <= 3 and all(a < b for a, b in zip(ends, ends[1:]))
     assert all(e > rec.recovered_s for e in ends[kept:])
     assert latest_whole(checkpoint_dir(tmp_path, "async")) == checkpoints(checkpoint_dir(tmp_path, "async"))[-1]
+
+
+def test_a_two_rank_fsdp2_ray_run_stopped_and_resumed_loses_nothing(ray_session, tiny_model_dir, tmp_path):
+    """learn.sharding: fsdp2 on two trainer rank actors (gloo): every sync broadcasts weights
+    gathered one tensor at a time, every checkpoint holds each rank's shards, and a run stopped
+    after step 3 resumes in fresh actors that read them back, to its end with nothing lost."""
+    sc = ray_torch(
+        tiny_model_dir, modes=["async"],
+        **{"learn.sharding": "fsdp2", "learn.minibatches": 1, "resources.trainer_gpus": 2, "ray.trainer_ranks": 2, "ray.trainer.num_cpus": 0.5,
+           "trainer.steps": 5, "trainer.batch_size": 16, "workload.max_response_len": 24},
+    )
+    with pytest.raises(RunStopped, match="stopped after step 3"):
+        run_mode(sc, "async", run_dir=tmp_path, stop_at_step=3)
+    whole = latest_whole(checkpoint_dir(tmp_path, "async"))
+    shards = sorted(p.name for p in (whole / SHARDS_DIR).iterdir())
+    assert len([s for s in shards if s.endswith(".safetensors")]) == 2, shards  # one file per rank
+    assert not (whole / "weights.safetensors").exists()
+    system = run_mode(sc, "async", run_dir=tmp_path, resume=True)
+    m = assert_recovered_run(system)
+    info = system.trainer.step_info
+    assert [i["trainings"] for i in info] == [16 * k for k in range(1, 6)]
+    assert all(i["ranks"] == 2 for i in info) and m["sync/bytes_mean"] > 0

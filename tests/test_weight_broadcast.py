@@ -207,15 +207,25 @@ def test_a_sync_nobody_answers_sends_nothing():
         source.close()
 
 
-def test_torch_engines_in_bf16_take_a_trainers_fp32_weights_bit_for_bit_with_no_fp32_copy(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp2"])
+def test_torch_engines_in_bf16_take_a_trainers_fp32_weights_bit_for_bit_with_no_fp32_copy(tiny_model_dir, monkeypatch, sharding):
+    """Whole parameters, or (fsdp2, one rank in a group of its own) shards gathered one tensor
+    at a time as the buckets are packed, in manifest order."""
+    from core.real import grpo
     from core.real.engine_torch import TorchEngine
     from core.real.grpo import TorchTrainBackend
+    from core.real.rank_group import RankGroup
     from core.runtimes.broadcast_transfer import BroadcastTransfer
 
-    backend = TorchTrainBackend(tiny_model_dir, LearnSpec(), threads=1)
+    backend = TorchTrainBackend(tiny_model_dir, LearnSpec(sharding=sharding), threads=1)
+    if sharding == "fsdp2":
+        backend.join(RankGroup.alone("cpu", timeout_s=20))
     with torch.no_grad():  # weights a train step could have made
         for p in backend.model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
+    gathered = []
+    read = grpo.GatheredParameters.__getitem__
+    monkeypatch.setattr(grpo.GatheredParameters, "__getitem__", lambda self, n: gathered.append(n) or read(self, n))
     # The broadcast path never makes the trainer's fp32 numpy copy of the model.
     monkeypatch.setattr(backend, "weights", lambda: pytest.fail("weights() copied the model"))
     engines = [TorchEngine(f"e{i}", tiny_model_dir, dtype="bfloat16") for i in range(2)]
@@ -237,7 +247,8 @@ def test_torch_engines_in_bf16_take_a_trainers_fp32_weights_bit_for_bit_with_no_
 
     try:
         asyncio.run(main())
-        trained = backend.parameters()
+        trained = {n: grpo._full(t) for n, t in backend.parameters().items()}
+        assert gathered == (list(trained) if sharding == "fsdp2" else [])
         embed = "model.embed_tokens.weight"
         assert trained[embed].numel() * 2 > bucket  # the embedding goes alone, straight into the engines' parameter
         for e in engines:

@@ -58,6 +58,7 @@ class SyncCounters:
     pause_s: list
     drain_s: list
     transfer_s: list
+    bytes: list = field(default_factory=list)  # what each moved, in the engines' dtype, where the transfer counts it
 
 
 @dataclass

@@ -46,6 +46,7 @@ class ParamSync:
         self.pause_s: list[float] = []
         self.drain_s: list[float] = []
         self.transfer_s: list[float] = []
+        self.bytes: list[int] = []  # per sync, where the transfer counts what it moved (real ones)
         # Called while rollout is paused, before the weights leave: a checkpoint there holds
         # no generation in flight, and weights never run ahead of the latest checkpoint.
         self.checkpoint = checkpoint
@@ -55,10 +56,11 @@ class ParamSync:
 
     def state(self) -> dict:
         """What a checkpoint keeps: the time of every sync so far."""
-        return {"pause_s": list(self.pause_s), "drain_s": list(self.drain_s), "transfer_s": list(self.transfer_s)}
+        return {"pause_s": list(self.pause_s), "drain_s": list(self.drain_s), "transfer_s": list(self.transfer_s), "bytes": list(self.bytes)}
 
     def restore(self, state: dict) -> None:
         self.pause_s, self.drain_s, self.transfer_s = list(state["pause_s"]), list(state["drain_s"]), list(state["transfer_s"])
+        self.bytes = list(state.get("bytes", ()))  # checkpoints from before bytes were counted have none
 
     async def sync(self, version: int, checkpoint: bool = True) -> None:
         loop = asyncio.get_running_loop()
@@ -89,6 +91,8 @@ class ParamSync:
         self.drain_s.append(t1 - t0)
         self.transfer_s.append(t2 - t1)
         self.pause_s.append(t3 - t0)
+        if self.transfer.bytes is not None:
+            self.bytes.append(int(self.transfer.bytes))
         if self.timeline is not None:
             self.timeline.add("trainer", SYNC, t0, t3)  # the trainer waits from the request on
             self.timeline.add("rollout", SYNC, t1, t3)  # engines stop once drained or aborted

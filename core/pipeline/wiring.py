@@ -108,7 +108,7 @@ class System:
                 for i, (e, sup) in enumerate(zip(self.engines, self.rollouter.engines))
             ],
             trainer=TrainerCounters(t.step, t.version, t.wait_s, t.step_info, be.compute_s, be.flops, be.peak_flops),
-            sync=SyncCounters(ps.pause_s, ps.drain_s, ps.transfer_s),
+            sync=SyncCounters(ps.pause_s, ps.drain_s, ps.transfer_s, ps.bytes),
             queue_counters=self.queue.counters(),
             replay_counters=self.replay.counters() if self.replay else None,
             in_flight=in_flight(self),

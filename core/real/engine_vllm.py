@@ -49,6 +49,8 @@ import numpy as np
 from core.model.owned import discard_owned, make_owned
 from core.model.sample import Group, Sample
 from core.real.engine_meter import EngineMeter
+from core.model.config import ConfigError
+from core.real.device import CPU, cpu_flags, cpu_runs_bf16
 from core.real.hf_model import model_dtype
 from core.real.weight_broadcast import BroadcastTicket, RollCall, broken_as_collective
 from core.model.timeline import Timeline
@@ -140,9 +142,12 @@ class VllmEngine(EngineMeter):
     async def start(self) -> None:
         # vLLM's own "auto" would run a float32 checkpoint in float16: the model's dtype, resolved here.
         self.dtype = model_dtype(self.model_dir, self.dtype)
+        if self.device == CPU and self.dtype == "bfloat16" and not cpu_runs_bf16(cpu_flags()):
+            raise ConfigError("engine.dtype", self.dtype, "vLLM's CPU backend computes bfloat16 on AVX-512 processors, and this "
+                              "one has no avx512f", "set engine.dtype: float32, or engine.kind: torch (its bfloat16 runs on any CPU)")
         for k, v in VLLM_ENV_DEFAULTS.items():
             os.environ.setdefault(k, v)
-        if self.device == "cpu" and self.kv_cache_gb is not None:
+        if self.device == CPU and self.kv_cache_gb is not None:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gb)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM

@@ -28,7 +28,7 @@ from core.model.config import Scenario
 from core.model.faults import FaultRecord
 from core.runtimes.run_checkpoint import FORMAT, checkpoint_dir, scenario_digest
 from core.model.owned import is_owned, remove_owned
-from core.store.checkpoint import CheckpointError, Snapshot, checkpoints, decode, encode, load, prune, read_file, write_atomic
+from core.store.checkpoint import SHARDS_DIR, CheckpointError, Snapshot, checkpoints, decode, encode, load, prune, read_file, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +103,10 @@ def load_ray_run(run_dir: Path, sc: Scenario, mode: str) -> Optional[RayResume]:
         raise _fail(path, f"its sides were taken at different syncs ({sync_t} and {sync_r})")
     if not isinstance(ts.get("trainer"), dict) or ts["trainer"].get("step") is None:
         raise _fail(path, "the trainer side holds no trainer state")
-    for stem in ("weights", "optimizer"):
-        if not (path / f"{stem}.safetensors").is_file():
-            raise _fail(path, f"{stem}.safetensors is missing")
+    wanted = [SHARDS_DIR] if sc.learn.sharding == "fsdp2" else ["weights.safetensors", "optimizer.safetensors"]
+    for name in wanted:
+        if not (path / name).exists():
+            raise _fail(path, f"{name} is missing")
     clock = rs.get("clock")
     if not isinstance(clock, (int, float)) or clock < 0:
         raise _fail(path, f"clock = {clock!r} is not a time >= 0")

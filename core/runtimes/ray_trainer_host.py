@@ -143,7 +143,7 @@ class TrainerHost(ActorIdentity):
             "timeline": self.timeline,
             "end_s": self.end_s,
             "trainer": TrainerCounters(t.step, t.version, t.wait_s, t.step_info, be.compute_s, be.flops, be.peak_flops),
-            "sync": SyncCounters(ps.pause_s, ps.drain_s, ps.transfer_s),
+            "sync": SyncCounters(ps.pause_s, ps.drain_s, ps.transfer_s, ps.bytes),
             "replay_counters": self.replay.counters() if self.replay else None,
             "in_flight": consumer_in_flight(t, self.replay),
         }

@@ -48,6 +48,8 @@ class SimTrainBackend(TrainBackend):
 class SimWeightTransfer:
     """Waits out the modelled transfer time; nothing to load."""
 
+    bytes = None  # priced (TransferCost), not moved
+
     def __init__(self, cost: TransferCost) -> None:
         self.cost = cost
 
