@@ -14,6 +14,11 @@
 #                 exits nonzero on a crash (inputs in .fuzz/crashes/)
 #   make build    rebuild the extensions in place (ASYNCRL_DEBUG_CYTHON=1 for a debug build)
 #   make clean    remove build outputs (keeps .venv)
+#   make gpu-wheels   where a package index is reachable: into .whl/, the wheels a bare GPU
+#                 machine lacks for `make gpu-check` (CPython GPU_PYTHON_VERSION, default 3.12,
+#                 x86_64 Linux, at this venv's versions)
+#   make gpu-check    on a GPU machine: python -m bench.gpu_check (docs/gpu.md); without a GPU it
+#                 prints one line and fails (exit 2). GPU_CHECK_ARGS passes options, e.g. --out DIR
 
 PYTHON ?= python3
 VENV := .venv
@@ -29,7 +34,7 @@ FUZZ_RUNS ?= 1000000
 FUZZ_MAX_TIME ?= 1800
 FUZZ_JOBS ?= 1
 
-.PHONY: setup venv build bytecode run test bench load fuzz clean
+.PHONY: setup venv build bytecode run test bench load fuzz clean gpu-wheels gpu-check
 
 setup venv: $(STAMP)
 
@@ -89,3 +94,46 @@ fuzz: $(STAMP)
 clean:
 	rm -rf build *.egg-info .pytest_cache .benchmarks .hypothesis .fuzz
 	rm -f ext/*.so $(patsubst %.pyx,%.c,$(wildcard ext/*.pyx)) $(STAMP) $(SLIM)
+
+# The GPU check runs on a machine with torch, transformers, numpy, pyyaml, rich and Cython but
+# no package index and no .venv: what else its imports need comes as wheels, downloaded here
+# at the versions this venv has (the slim install: pydantic and what it pulls, NVML's bindings).
+GPU_WHEELS := pydantic pydantic-core annotated-types typing-extensions typing-inspection nvidia-ml-py
+GPU_PYTHON_VERSION ?= 3.12
+GPU_SITE ?= /tmp/asyncrl-site
+GPU_CHECK_ARGS ?=
+GPU_LOG ?= /tmp/asyncrl-gpu-check-setup.log
+# The venv's python where there is one; the machine's python3 where not (the GPU machine).
+GPU_PY := $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+# Every compiled hot path setup.py builds (ext/_<name>.pyx: ext._<name>).
+EXT_MODULES := $(patsubst ext/%.pyx,ext.%,$(wildcard ext/_*.pyx))
+IMPORTS_EXT := -c 'import importlib, sys; [importlib.import_module(m) for m in sys.argv[1:]]' $(EXT_MODULES)
+
+gpu-wheels: $(SLIM)
+	rm -rf .whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+		$$($(PY) -c 'import sys; from importlib.metadata import version; print(" ".join(f"{n}=={version(n)}" for n in sys.argv[1:]))' $(GPU_WHEELS))
+	@du -sh .whl
+
+# Quiet until the check speaks (setup output goes to GPU_LOG): without a GPU its one line is all
+# there is. The wheels are installed only where this python lacks what they bring (never over a
+# venv's own), into GPU_SITE by pip, or by unzipping them where there is no pip. The extensions
+# are built only where this python cannot import them (never over a built one that another
+# process may have loaded), and the pure-Python references run where the build fails.
+gpu-check:
+	@py="$(GPU_PY)"; : > $(GPU_LOG); \
+	if ls .whl/*.whl >/dev/null 2>&1 && ! $$py -c 'import pydantic, pynvml' >>$(GPU_LOG) 2>&1; then \
+		rm -rf $(GPU_SITE); \
+		if $$py -m pip --version >>$(GPU_LOG) 2>&1; then \
+			$$py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $(GPU_SITE) .whl/*.whl >>$(GPU_LOG) 2>&1; \
+		else \
+			$$py -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]' $(GPU_SITE) .whl/*.whl >>$(GPU_LOG) 2>&1; \
+		fi || echo "gpu-check: the wheels in .whl/ did not install; see $(GPU_LOG)"; \
+		export PYTHONPATH="$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH}"; \
+	fi; \
+	if ! $$py $(IMPORTS_EXT) >>$(GPU_LOG) 2>&1; then \
+		$$py setup.py build_ext --inplace -j 8 >>$(GPU_LOG) 2>&1 && $$py $(IMPORTS_EXT) >>$(GPU_LOG) 2>&1 \
+		|| export ASYNCRL_PUREPYTHON=1; \
+	fi; \
+	$$py -m bench.gpu_check $(GPU_CHECK_ARGS)
