@@ -129,14 +129,15 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 class GatheredParameters:
-    """A sharded model's parameters as whole tensors, each gathered from every rank when it is
-    read: a sender reading them one by one (a broadcast bucket after another) holds one whole
-    tensor at a time, never the whole model. Each read is a collective, so every rank reads
-    the same names in the same order; ``finish`` reads what was not, so that the ranks end
-    together even when a send stopped half-way."""
+    """A model's parameters as whole tensors, read in order; a sharded one's each gathered from
+    every rank when it is read: a sender reading them one by one (a broadcast bucket after
+    another) holds one whole tensor at a time, never the whole model. Each such read is a
+    collective, so every rank reads the same names in the same order; ``finish`` reads what
+    was not, so that the ranks end together even when a send stopped half-way."""
 
-    def __init__(self, named: dict[str, torch.Tensor]) -> None:
+    def __init__(self, named: dict[str, torch.Tensor], sharded: bool) -> None:
         self._named = named
+        self._sharded = sharded
         self._order = list(named)
         self._next = 0
 
@@ -145,6 +146,8 @@ class GatheredParameters:
             expected = self._order[self._next] if self._next < len(self._order) else "nothing"
             raise KeyError(f"{name} read out of order: every rank gathers {expected} next")
         self._next += 1
+        if not self._sharded:
+            return self._named[name]
         with torch.no_grad():
             return _full(self._named[name])
 
@@ -323,12 +326,11 @@ class TorchTrainBackend(TrainBackend):
         shape). Read under ``lock``."""
         return dict(self.model.named_parameters())
 
-    def export(self) -> dict[str, torch.Tensor] | GatheredParameters:
+    def export(self) -> GatheredParameters:
         """What a weight sync reads, by name in ``parameters`` order: the live parameters, or,
-        sharded, each gathered whole as it is read (``GatheredParameters``: a collective that
-        every rank takes part in, reading the same names in the same order). Under ``lock``."""
-        named = self.parameters()
-        return GatheredParameters(named) if self.sharded else named
+        sharded, each gathered whole as it is read (a collective that every rank takes part
+        in, reading the same names in the same order). Under ``lock``; ``finish`` it."""
+        return GatheredParameters(self.parameters(), self.sharded)
 
     @property
     def lock(self):

@@ -63,9 +63,7 @@ class BroadcastTransfer(CollectiveTransfer):
                 return self.source.send(ticket, tensors, self.manifest, answered)
             finally:
                 for e in exported:
-                    finish = getattr(e, "finish", None)
-                    if finish is not None:
-                        finish()  # the ranks end their gathers together, even after a broken send
+                    e.finish()  # a sharded trainer's ranks end their gathers together, even after a broken send
 
     def close(self) -> None:
         self.source.close()
