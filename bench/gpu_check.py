@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import platform
-import shutil
 import sys
 import tempfile
 import threading
@@ -44,6 +43,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = ROOT / "scenarios" / "real-cpu-torch.yaml"
 JSON_FILE = "gpu_check.json"
+# The files the check writes beside its model (a given empty --out gets only these back out).
+WRITTEN = (JSON_FILE, "sim-lengths.json", "stacks.txt")
+OUT_KIND = "gpu-check"  # the stamp of an output directory the check made (core/model/owned.py)
 SCHEMA = "asyncrl.gpu_check/1"
 NO_GPU = "gpu_check: no GPU here ({why}); it runs on a GPU machine: see docs/gpu.md"
 # Looked for before the project's modules are imported, so that a missing one is a line, not a
@@ -147,8 +149,10 @@ def no_gpu_reason() -> str | None:
 def out_dir(given: Path | None) -> tuple[Path, bool]:
     """The output directory, made now: ``given`` if it is new or an empty directory; and
     whether it was made here."""
+    from core.model.owned import make_owned, stamp
+
     if given is None:
-        return Path(tempfile.mkdtemp(prefix="asyncrl-gpu-check-")), True
+        return make_owned(Path(tempfile.gettempdir()), "asyncrl-gpu-check-", OUT_KIND), True
     if given.is_symlink() or (given.exists() and not given.is_dir()):
         raise BadInput(f"--out {given}: exists and is not a directory; fix: name a new or empty directory")
     if given.is_dir():
@@ -159,6 +163,7 @@ def out_dir(given: Path | None) -> tuple[Path, bool]:
         given.mkdir(parents=True)
     except OSError as exc:
         raise BadInput(f"--out {given}: cannot be made ({exc.strerror}); fix: name a directory you can write") from None
+    stamp(given, OUT_KIND)
     return given, True
 
 
@@ -383,16 +388,14 @@ class Check:
 
     def _refuse(self, line: str) -> int:
         """Bad input found once the check had begun: one line, exit 2, and nothing left written."""
-        if self.model_dir is not None and self.args.model is None:
-            shutil.rmtree(self.model_dir, ignore_errors=True)
+        from core.model.owned import discard_owned
+
+        self._remove_model()
         if self.made_out:
-            shutil.rmtree(self.out, ignore_errors=True)
-        else:  # an empty directory given: empty again
-            for p in self.out.iterdir():
-                if p.is_dir() and not p.is_symlink():
-                    shutil.rmtree(p, ignore_errors=True)
-                else:
-                    p.unlink(missing_ok=True)
+            discard_owned(self.out, OUT_KIND)
+        else:  # an empty directory given: what the check wrote into it goes, nothing else
+            for name in WRITTEN:
+                (self.out / name).unlink(missing_ok=True)
         print(f"gpu_check: {line}", file=sys.stderr)
         return 2
 
@@ -408,6 +411,16 @@ class Check:
         self._write()
         os._exit(1)
 
+    def _remove_model(self) -> bool:
+        """The model the check built (stamped by core/real/tiny_model.py), never a given one."""
+        from core.model.owned import discard_owned
+        from core.model.config import TINY_MODEL_KIND
+
+        if self.model_dir is None or self.args.model is not None:
+            return False
+        discard_owned(self.model_dir, TINY_MODEL_KIND)
+        return not self.model_dir.exists()
+
     def _finish(self) -> int:
         self._done.acquire()  # held for good by a deadline that came first: it ends the process
         return self._write()
@@ -417,8 +430,7 @@ class Check:
         record["failures"] = self.failures
         record["passed"] = not self.failures
         record["wall_s"] = round(time.perf_counter() - self._t0, 1)
-        if self.model_dir is not None and self.args.model is None and not self.args.keep_model:
-            shutil.rmtree(self.model_dir, ignore_errors=True)
+        if not self.args.keep_model and self._remove_model():
             record.get("model", {})["removed"] = True
         path = self.out / JSON_FILE
         path.write_text(json.dumps(record, indent=1, default=str) + "\n")
