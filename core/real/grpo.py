@@ -305,8 +305,7 @@ class TorchTrainBackend(TrainBackend):
     def weights(self) -> dict[str, np.ndarray]:
         """Float32 numpy copies under the names ``save_pretrained`` writes (a tied lm_head once).
         Sharded (FSDP2), every rank must call it at once: the full tensors are gathered."""
-        with self._lock, torch.no_grad():
-            return {n: _full(p).detach().to("cpu", torch.float32).numpy().copy() for n, p in self.model.named_parameters()}
+        return {n: t.numpy() for n, t in self.weights_as("float32").items()}
 
     def weights_as(self, dtype: str) -> dict[str, torch.Tensor]:
         """Copies of the weights in ``dtype`` on the host, cast as a broadcast casts them into
@@ -406,10 +405,15 @@ class TorchTrainBackend(TrainBackend):
                 self.opt.state.clear()
                 return
             for p in params:
-                st = self.opt.state[p]
-                if "step" not in st:
-                    st.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                st = self._adam_state(p)
                 ranks.broadcast_([st["step"], st["exp_avg"], st["exp_avg_sq"]])
+
+    def _adam_state(self, p: torch.Tensor) -> dict:
+        """Adam's state of ``p``, made zero (as Adam's first step makes it) where it has none yet."""
+        st = self.opt.state[p]
+        if "step" not in st:
+            st.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+        return st
 
     # ---- sharded checkpoints --------------------------------------------------------------
 
@@ -420,9 +424,7 @@ class TorchTrainBackend(TrainBackend):
         would make it, so a checkpoint always has the same tensors."""
         out: dict[str, torch.Tensor] = {}
         for n, p in self.model.named_parameters():
-            st = self.opt.state[p]
-            if "step" not in st:
-                st.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            st = self._adam_state(p)
             out[n] = p.data
             for k in ("step", "exp_avg", "exp_avg_sq"):
                 out[f"{n}::{k}"] = st[k]
