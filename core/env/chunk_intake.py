@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from typing import Iterator
 
 from core.model.env_config import EnvScenario
@@ -41,6 +42,9 @@ class ChunkIntake:
     chunks refused because the run was stopping (produced, never stored)."""
 
     def __init__(self) -> None:
+        # Names the process that serves: a store Ray restarted answers with a new one, which a
+        # driver may see without a failed call in between (calls wait out a restart).
+        self.instance = uuid.uuid4().hex
         self.chunks = 0
         self.env_steps = 0
         self.rows_refused = 0
@@ -101,6 +105,7 @@ class ChunkIntake:
             "chunks_resent": self.chunks_resent,
             "env_steps": self.env_steps,
             "episodes": len(self.episode_returns),
+            "instance": self.instance,
         }
 
 

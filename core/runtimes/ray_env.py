@@ -196,6 +196,7 @@ class AsyncDriver:
         self.next_eval = d.next_eval or e.eval_every
         self.steps = 0
         self.store_down_since: Optional[float] = None
+        self.store_instance: Optional[str] = None
 
     def elapsed(self) -> float:
         """The training clock."""
@@ -286,9 +287,10 @@ class AsyncDriver:
 
     def poll_store(self) -> bool:
         """The env steps the store took; False while it does not answer (Ray restarts it, for at
-        most ``ray.recovery_timeout_s``)."""
+        most ``ray.recovery_timeout_s``). An answer from a new instance is a restart, whether or
+        not a call failed in between."""
         try:
-            self.steps = ray.get(self.store.stats.remote())["env_steps"]
+            stats = ray.get(self.store.stats.remote())
         except ray.exceptions.RayActorError:
             now = time.perf_counter()
             self.store_down_since = self.store_down_since or now
@@ -296,9 +298,13 @@ class AsyncDriver:
                 raise StoreLost(f"the replay actor has not answered for {self.patience:g} s after it died; fix: raise "
                                 "ray.recovery_timeout_s if it only restarts slowly, or ray.max_restarts if it died again") from None
             return False
-        if self.store_down_since is not None:
+        self.steps = stats["env_steps"]
+        restarted = self.store_instance is not None and stats["instance"] != self.store_instance
+        self.store_instance = stats["instance"]
+        if self.store_down_since is not None or restarted:
+            down = "" if self.store_down_since is None else f" after {time.perf_counter() - self.store_down_since:.1f} s"
             self.budget.spend("replay")
-            self.budget.restarted("replay", f"answers again after {time.perf_counter() - self.store_down_since:.1f} s")
+            self.budget.restarted("replay", f"answers again{down}")
             self.faults.recovered("replay", self.elapsed())
             self.store_down_since = None
         return True
