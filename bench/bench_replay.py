@@ -29,6 +29,8 @@ fresh inputs and ours ~2x, on one machine: numbers for inputs no training loop p
 * ``update priorities 256``: every round gets fresh priorities (uniform in [0.01, 10.01)) for
   fresh slots, the ones ``sample(256)`` of the same buffer returns just before (sorted, as
   stratified draws come out) or 256 drawn uniformly at random; both made outside the timing.
+  The third case, ``fixed slots``, updates one random set of 256 slots again and again (fresh
+  priorities each time): the cache-hot case, where the update's own work is all there is.
 * ``add 256``, ``add 256 prioritized``: a fresh batch of random rows every round, made outside
   the timing. The prioritized buffer starts with random priorities and the group makes fewer
   than CAPACITY / 256 adds, so every add replaces random priorities with the running maximum
@@ -347,6 +349,19 @@ def test_update_priorities_sampled(benchmark, prioritized_buffer):
 
     def fresh():
         return np.asarray(sample(BATCH, BETA)[1]), _priorities(rng)
+
+    _pedantic(benchmark, prioritized_buffer.update_priorities, fresh)
+
+
+@pytest.mark.benchmark(group="update priorities 256 (fixed slots)")
+def test_update_priorities_fixed(benchmark, prioritized_buffer):
+    """One set of 256 random slots, updated again and again with new priorities: the paths
+    stay in cache, so this times the update's own work, not the memory's."""
+    rng = np.random.default_rng(6)
+    slots = rng.integers(0, CAPACITY, BATCH, dtype=np.int64)
+
+    def fresh():
+        return slots, _priorities(rng)
 
     _pedantic(benchmark, prioritized_buffer.update_priorities, fresh)
 

@@ -40,6 +40,7 @@ TARGETS = [
     Target("prioritized sample 256", "sample 256 prioritized", "ext", "cpprb", "time", 0.2),
     Target("priority update 256, slots from sample()", "update priorities 256 (sampled slots)", "ext", "cpprb", "time", 0.3),
     Target("priority update 256, random slots", "update priorities 256 (random slots)", "ext", "cpprb", "time", 0.3),
+    Target("priority update 256, fixed slots", "update priorities 256 (fixed slots)", "ext", "cpprb", "time", 0.3),
     Target("codec round trip, 2048 tokens", "round trip, 2048 tokens", "2048-ext", "2048-memcpy", "time", 2.0),
     Target("codec round trip, 2048 tokens", "round trip, 2048 tokens", "2048-ext", "2048-pickle5", "speedup", 15.0),
     Target("codec round trip, 32768 tokens", "round trip, 32768 tokens", "32768-ext", "32768-memcpy", "bandwidth", 0.5),

@@ -21,6 +21,21 @@ cdef struct Field:
     cnp.npy_intp* dims  # the batch shape (n, *shape); dims[0] is set per call
 
 
+cdef enum:
+    _MAX_LEVELS = 40  # stored levels of a priority tree: at most 1 + ceil(63 / 2)
+
+
+cdef struct Tree:
+    # The binary sum and min trees over 2**depth leaves, stored at every other binary level
+    # (see the module docstring): level k (0 the root, nlv - 1 the leaves) holds the nodes of
+    # binary level bits[k] in blocks of four, [s0 s1 s2 s3 m0 m1 m2 m3], 64 bytes each.
+    double* data
+    int nlv
+    Py_ssize_t off[_MAX_LEVELS]  # where level k's blocks start, in doubles
+    int shift[_MAX_LEVELS]  # bits[k] - bits[k - 1]: 2 (four children), or 1 at the top
+    int bits[_MAX_LEVELS]
+
+
 cdef class ReplayBuffer:
     cdef Py_ssize_t _cap
     cdef Py_ssize_t _pos  # the slot the next row is written to
@@ -39,12 +54,10 @@ cdef class ReplayBuffer:
     cdef double _alpha
     cdef object _seed
     cdef Rng _rng
-    # Priority trees (prioritized only): 2 * _leaves doubles each, node 1 the root, leaf j at
-    # node _leaves + j; _depth = log2(_leaves).
+    # Priority trees (prioritized only) over _leaves = 2**_depth leaves, leaf j for slot j.
     cdef Py_ssize_t _leaves
     cdef int _depth
-    cdef double* _sum
-    cdef double* _min
+    cdef Tree _tree
     cdef double _max_p  # the largest priority ever set (1.0 at first)
     cdef double _max_q  # _max_p ** alpha: what a new row gets
     cdef double _q_limit  # the largest p ** alpha accepted

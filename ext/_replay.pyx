@@ -12,11 +12,20 @@ generator); everything here gives bit-identical answers. What is specific to thi
   most two ``memcpy`` per field (the wrap-around split). A non-contiguous input is first made
   contiguous by numpy. Dtypes must match exactly: a float64 array for a float32 field is a
   TypeError, never a silent cast.
+* The priority trees are the reference's binary sum and min trees, stored at every other
+  binary level only: the leaves, the level two above them, and so on up to the root. Each
+  stored node's four children (its binary grandchildren) sit in one 64-byte block with their
+  mins, ``[s0 s1 s2 s3 m0 m1 m2 m3]``, so a root-to-leaf path touches one cache line per two
+  binary levels for both trees (ten lines for a 1M-leaf tree, where the flat pair of trees
+  took up to forty). A node's sum is computed in the binary tree's order, ``(s0 + s1) + (s2 +
+  s3)``, so it is bit for bit the reference's node, and the descent forms the skipped binary
+  level's values (``s0 + s1``) with the same additions. The block memory is allocated on
+  2 MiB boundaries and marked for transparent huge pages.
 * ``sample`` writes its indices into the returned int64 array and uses the returned float64
   weights array as the scratch space of the tree descent, so it allocates nothing else. The
   descent is level-synchronous: all ``n`` draws go down one level before any goes further,
-  so their cache misses (the lower levels of a 1M-leaf tree are not in cache) overlap, and
-  the child pair each draw needs next is prefetched. Each step is branch-free.
+  so their cache misses overlap, and the block each draw needs next is prefetched. Each step
+  is branch-free.
 * Tree updates set the leaves, then recompute every ancestor level by level (a node shared
   by several updated leaves is recomputed more than once, which is harmless: a node's value
   is a function of its children only). ``add`` updates one or two contiguous leaf ranges.
@@ -60,7 +69,22 @@ cdef extern from "numpy/arrayobject.h":
 
 cdef extern from *:
     """
+    #include <stdlib.h>
+    #include <sys/mman.h>
     #define rb_prefetch(p) __builtin_prefetch((const void *)(p))
+    #define rb_prefetch_w(p) __builtin_prefetch((const void *)(p), 1)
+    /* Memory on 2 MiB boundaries, marked for transparent huge pages: a priority tree is read
+       along random root-to-leaf paths, and on 4 KiB pages nearly every lower level of a path
+       is a TLB miss. Freed with free(). */
+    static void *rb_alloc_pages(size_t bytes) {
+        void *p = NULL;
+        size_t align = (size_t)2 << 20, size = (bytes + align - 1) & ~(align - 1);
+        if (size == 0 || posix_memalign(&p, align, size) != 0) return NULL;
+    #ifdef MADV_HUGEPAGE
+        (void)madvise(p, size, MADV_HUGEPAGE);
+    #endif
+        return p;
+    }
     /* High and low halves of the 128-bit product a * b. */
     static inline uint64_t rb_mul128(uint64_t a, uint64_t b, uint64_t *low) {
         unsigned __int128 m = (unsigned __int128)a * b;
@@ -69,6 +93,9 @@ cdef extern from *:
     }
     """
     void rb_prefetch(const void* p) nogil
+    void rb_prefetch_w(const void* p) nogil
+    void* rb_alloc_pages(size_t bytes) nogil
+    void rb_free "free"(void* p) nogil
     uint64_t rb_mul128(uint64_t a, uint64_t b, uint64_t* low) nogil
 
 
@@ -259,77 +286,78 @@ cdef void _gather(char* out, const char* data, Py_ssize_t rb, const int64_t* idx
             memcpy(out + rb * j, data + rb * idx[j], rb)
 
 
-cdef inline void _recompute(double* s, double* m, Py_ssize_t lo, Py_ssize_t hi) noexcept nogil:
-    """Recompute nodes [lo, hi) of both trees from their children."""
-    cdef Py_ssize_t i
-    cdef double l, r
-    for i in range(lo, hi):
-        s[i] = s[2 * i] + s[2 * i + 1]
-        l = m[2 * i]
-        r = m[2 * i + 1]
-        m[i] = l if l < r else r
+cdef inline double* _node(const Tree* t, int k, int64_t i) noexcept nogil:
+    """Node ``i`` of stored level ``k``: its sum; its min is 4 doubles further."""
+    return t.data + t.off[k] + (i >> 2) * 8 + (i & 3)
 
 
-cdef void _tree_fill(double* s, double* m, Py_ssize_t leaves, Py_ssize_t lo1, Py_ssize_t hi1,
-                     Py_ssize_t lo2, Py_ssize_t hi2, double q) noexcept nogil:
+cdef inline void _recompute(const Tree* t, int k, int64_t i) noexcept nogil:
+    """Node ``i`` of level ``k`` from its children, block ``i`` of level ``k + 1``. The sum is
+    taken in the binary tree's order (pairs first), so every stored node and every binary
+    node the descent forms in between are the reference's values bit for bit."""
+    cdef const double* c = t.data + t.off[k + 1] + i * 8
+    cdef double* p = _node(t, k, i)
+    cdef double a, b
+    if t.shift[k + 1] == 2:
+        p[0] = (c[0] + c[1]) + (c[2] + c[3])
+        a = c[4] if c[4] < c[5] else c[5]
+        b = c[6] if c[6] < c[7] else c[7]
+        p[4] = a if a < b else b
+    else:
+        p[0] = c[0] + c[1]
+        p[4] = c[4] if c[4] < c[5] else c[5]
+
+
+cdef inline void _set_leaf(const Tree* t, int64_t slot, double q) noexcept nogil:
+    cdef double* p = _node(t, t.nlv - 1, slot)
+    p[0] = q
+    p[4] = q
+
+
+cdef void _tree_fill(const Tree* t, Py_ssize_t lo1, Py_ssize_t hi1, Py_ssize_t lo2, Py_ssize_t hi2,
+                     double q) noexcept nogil:
     """Set leaves [lo1, hi1) and [lo2, hi2) (either may be empty) to ``q``, then recompute
     their ancestors level by level."""
-    cdef Py_ssize_t i, a1 = lo1 + leaves, b1 = hi1 + leaves, a2 = lo2 + leaves, b2 = hi2 + leaves
-    for i in range(a1, b1):
-        s[i] = q
-        m[i] = q
-    for i in range(a2, b2):
-        s[i] = q
-        m[i] = q
-    while leaves > 1:
-        # the parents of nodes [a, b) are [a >> 1, ((b - 1) >> 1) + 1)
-        if b1 > a1:
-            a1 >>= 1
-            b1 = ((b1 - 1) >> 1) + 1
-            _recompute(s, m, a1, b1)
-        if b2 > a2:
-            a2 >>= 1
-            b2 = ((b2 - 1) >> 1) + 1
-            _recompute(s, m, a2, b2)
-        leaves >>= 1
+    cdef Py_ssize_t i
+    cdef int k, sh
+    for i in range(lo1, hi1):
+        _set_leaf(t, i, q)
+    for i in range(lo2, hi2):
+        _set_leaf(t, i, q)
+    for k in range(t.nlv - 2, -1, -1):
+        # the parents of nodes [a, b) are [a >> sh, ((b - 1) >> sh) + 1)
+        sh = t.shift[k + 1]
+        if hi1 > lo1:
+            lo1 >>= sh
+            hi1 = ((hi1 - 1) >> sh) + 1
+            for i in range(lo1, hi1):
+                _recompute(t, k, i)
+        if hi2 > lo2:
+            lo2 >>= sh
+            hi2 = ((hi2 - 1) >> sh) + 1
+            for i in range(lo2, hi2):
+                _recompute(t, k, i)
 
 
-cdef void _tree_update(double* s, double* m, Py_ssize_t leaves, const int64_t* slots,
-                       const double* qs, int64_t* nodes, Py_ssize_t n) noexcept nogil:
+cdef void _tree_update(const Tree* t, const int64_t* slots, const double* qs, int64_t* nodes,
+                       Py_ssize_t n) noexcept nogil:
     """Set leaf ``slots[j]`` to ``qs[j]`` in order (a repeated slot keeps its last value), then
     recompute the ancestors; ``nodes`` is scratch for ``n`` (>= 1) node numbers.
 
-    Sum tree: level by level, so the cache misses of different paths overlap. Paths that
-    have met are recomputed once when they are adjacent (sampled slots come out sorted), more
-    often otherwise, which is harmless; from the level that has no more nodes than there are
-    paths, the whole span between the outermost paths is recomputed instead.
-    Min tree: one path at a time, stopping where a node comes out unchanged (its ancestors
-    then need nothing from this path; a path whose leaf changes a node later recomputes it).
-    It usually stops within a level or two, so the min tree's cold lower levels are hardly
-    touched."""
-    cdef Py_ssize_t j, k, w
+    Level by level, so the cache misses of different paths overlap; the parent a path writes
+    next is prefetched a few paths ahead (its children are the block just written, in cache).
+    Paths that have met are recomputed once when they are adjacent (sampled slots come out
+    sorted), more often otherwise, which is harmless; from the level that has no more nodes
+    than there are paths, the whole span between the outermost paths is recomputed instead."""
+    cdef Py_ssize_t j, w
     cdef int64_t i, prev, lo, hi
-    cdef double l, r, v
+    cdef int k, kk, sh
     for j in range(n):
-        i = slots[j] + leaves
-        s[i] = qs[j]
-        m[i] = qs[j]
-        nodes[j] = i
-    for j in range(n):
-        i = nodes[j] >> 1
-        while i:
-            l = m[2 * i]
-            r = m[2 * i + 1]
-            v = l if l < r else r
-            if m[i] == v:
-                break
-            m[i] = v
-            i >>= 1
-    k = leaves  # nodes on the level of nodes[:n]
-    while k > 1:
-        if (k >> 1) <= n:
-            # The parent level has no more nodes than there are paths: recompute the span of
-            # it that the paths cover, and so on up (at most 2k nodes, no repeats, in order).
+        _set_leaf(t, slots[j], qs[j])
+        nodes[j] = slots[j]
+    for k in range(t.nlv - 2, -1, -1):
+        sh = t.shift[k + 1]
+        if (<int64_t>1 << t.bits[k]) <= n:
             lo = nodes[0]
             hi = nodes[0]
             for j in range(1, n):
@@ -337,27 +365,28 @@ cdef void _tree_update(double* s, double* m, Py_ssize_t leaves, const int64_t* s
                     lo = nodes[j]
                 if nodes[j] > hi:
                     hi = nodes[j]
-            lo >>= 1
-            hi >>= 1
+            kk = k
             while True:
+                lo >>= t.shift[kk + 1]
+                hi >>= t.shift[kk + 1]
                 for i in range(lo, hi + 1):
-                    s[i] = s[2 * i] + s[2 * i + 1]
-                if lo == 1:
+                    _recompute(t, kk, i)
+                if kk == 0:
                     break
-                lo >>= 1
-                hi >>= 1
-            break
-        prev = 0
+                kk -= 1
+            return
+        prev = -1
         w = 0
         for j in range(n):
-            i = nodes[j] >> 1
+            if j + 8 < n:
+                rb_prefetch_w(_node(t, k, nodes[j + 8] >> sh))
+            i = nodes[j] >> sh
             if i != prev:
-                s[i] = s[2 * i] + s[2 * i + 1]
+                _recompute(t, k, i)
                 nodes[w] = i
                 w += 1
                 prev = i
         n = w
-        k >>= 1
 
 
 cdef void _draw_uniform(Rng* rng, int64_t* idx, Py_ssize_t n, uint64_t size) noexcept nogil:
@@ -366,32 +395,59 @@ cdef void _draw_uniform(Rng* rng, int64_t* idx, Py_ssize_t n, uint64_t size) noe
         idx[j] = <int64_t>_rng_below(rng, size)
 
 
-cdef void _draw_prioritized(Rng* rng, const double* s, const double* m, Py_ssize_t leaves,
-                            int depth, Py_ssize_t size, double beta, int64_t* idx, double* w,
-                            Py_ssize_t n) noexcept nogil:
-    """Stratified draws: ``idx`` gets the slots, ``w`` (scratch for the descent) the weights."""
+cdef void _draw_prioritized(Rng* rng, const Tree* t, Py_ssize_t size, double beta, int64_t* idx,
+                            double* w, Py_ssize_t n) noexcept nogil:
+    """Stratified draws: ``idx`` gets the slots, ``w`` (scratch for the descent) the weights.
+    A step down a level of four children makes the binary tree's two steps: the left child's
+    value is c0 + c1, then c0 or c2, exactly as the binary tree holds them."""
     cdef Py_ssize_t j
-    cdef int level, go
+    cdef int k, go, go2
     cdef int64_t c, leaf
-    cdef double seg = s[1] / n, left, q_min = m[1]
+    cdef const double* b
+    cdef const double* root = t.data + t.off[0]
+    cdef double seg = root[0] / n, left, q_min = root[4]
     for j in range(n):
         w[j] = (<double>j + _rng_random(rng)) * seg
-        idx[j] = 1
-    for level in range(depth):
+        idx[j] = 0
+    for k in range(1, t.nlv):
+        if t.shift[k] == 1:
+            for j in range(n):
+                b = t.data + t.off[k] + idx[j] * 8
+                go = w[j] >= b[0]
+                w[j] -= b[0] * go  # branch-free: left * 0.0 is 0.0, and u - 0.0 is u exactly
+                idx[j] = 2 * idx[j] + go
+            continue
         for j in range(n):
-            c = 2 * idx[j]
-            left = s[c]
+            b = t.data + t.off[k] + idx[j] * 8
+            left = b[0] + b[1]
             go = w[j] >= left
-            w[j] -= left * go  # branch-free: left * 0.0 is 0.0, and u - 0.0 is u exactly
-            c += go
+            w[j] -= left * go
+            left = b[2 * go]
+            go2 = w[j] >= left
+            w[j] -= left * go2
+            c = 4 * idx[j] + 2 * go + go2
             idx[j] = c
-            rb_prefetch(s + 2 * c)
+            if k + 1 < t.nlv:
+                rb_prefetch(t.data + t.off[k + 1] + c * 8)
     for j in range(n):
-        leaf = idx[j] - leaves
+        leaf = idx[j]
         if leaf >= size:  # rounding carried the draw past the last stored leaf
             leaf = size - 1
         idx[j] = leaf
-        w[j] = pow(s[leaves + leaf] / q_min, -beta)
+        w[j] = pow(_node(t, t.nlv - 1, leaf)[0] / q_min, -beta)
+
+
+cdef void _tree_layout(Tree* t, int depth) noexcept nogil:
+    """The stored levels of a tree of depth ``depth``: binary levels depth, depth - 2, ... down
+    to 0 or 1, and the root; blocks of four nodes each (one for a level of one or two)."""
+    cdef int k, nlv = depth // 2 + 1 + depth % 2
+    cdef Py_ssize_t off = 0
+    t.nlv = nlv
+    for k in range(nlv):
+        t.bits[k] = depth - 2 * (nlv - 1 - k) if k > 0 else 0
+        t.shift[k] = t.bits[k] - t.bits[k - 1] if k > 0 else 0
+        t.off[k] = off
+        off += (((<Py_ssize_t>1 << t.bits[k]) + 3) // 4) * 8
 
 
 cdef inline int _wait_idle(ReplayBuffer b) except -1:
@@ -411,7 +467,7 @@ cdef class ReplayBuffer:
     def __cinit__(self, capacity, spec, prioritized=False, alpha=0.6, seed=None):
         # Everything is allocated here, once: there is no __init__ to call again, so the
         # pointers never change while a thread works on them without the GIL.
-        cdef Py_ssize_t cap, f, k, ndims = 0, leaves = 1
+        cdef Py_ssize_t cap, f, k, ndims = 0, leaves = 1, size_doubles
         cdef int depth = 0
         cdef cnp.ndarray arr
         cdef cnp.npy_intp* dims
@@ -458,19 +514,20 @@ cdef class ReplayBuffer:
         self._depth = depth
         self._q_limit = sys.float_info.max / (2 * leaves)
         if prioritized:
-            self._sum = <double*>PyMem_Malloc(2 * leaves * sizeof(double))
-            self._min = <double*>PyMem_Malloc(2 * leaves * sizeof(double))
-            if self._sum == NULL or self._min == NULL:
+            _tree_layout(&self._tree, depth)
+            size_doubles = self._tree.off[self._tree.nlv - 1] + max(leaves // 4, 1) * 8
+            self._tree.data = <double*>rb_alloc_pages(size_doubles * sizeof(double))
+            if self._tree.data == NULL:
                 raise MemoryError(f"ReplayBuffer: cannot allocate priority trees of {leaves} leaves")
-            for k in range(2 * leaves):
-                self._sum[k] = 0.0
-                self._min[k] = INFINITY
+            for k in range(0, size_doubles, 8):
+                for f in range(4):
+                    self._tree.data[k + f] = 0.0
+                    self._tree.data[k + 4 + f] = INFINITY
 
     def __dealloc__(self):
         PyMem_Free(self._fields)
         PyMem_Free(self._dims)
-        PyMem_Free(self._sum)
-        PyMem_Free(self._min)
+        rb_free(self._tree.data)
 
     # -- properties ---------------------------------------------------------------------------
 
@@ -614,14 +671,12 @@ cdef class ReplayBuffer:
                     with nogil:
                         _copy_in(self._fields, nf, src, skip, start, first, second)
                         if self._prioritized:
-                            _tree_fill(self._sum, self._min, self._leaves, start, start + first, 0, second,
-                                       self._max_q)
+                            _tree_fill(&self._tree, start, start + first, 0, second, self._max_q)
                     self._busy = 0
                 else:
                     _copy_in(self._fields, nf, src, skip, start, first, second)
                     if self._prioritized:
-                        _tree_fill(self._sum, self._min, self._leaves, start, start + first, 0, second,
-                                   self._max_q)
+                        _tree_fill(&self._tree, start, start + first, 0, second, self._max_q)
                 self._pos = p
                 self._size = cap if self._size + n >= cap else self._size + n
             return out
@@ -700,10 +755,10 @@ cdef class ReplayBuffer:
             if n >= _NOGIL_MIN:
                 self._busy = 1
                 with nogil:
-                    _tree_update(self._sum, self._min, self._leaves, slots, qs, nodes, n)
+                    _tree_update(&self._tree, slots, qs, nodes, n)
                 self._busy = 0
             else:
-                _tree_update(self._sum, self._min, self._leaves, slots, qs, nodes, n)
+                _tree_update(&self._tree, slots, qs, nodes, n)
             if top > self._max_p:
                 self._max_p = top
                 self._max_q = pow(top, alpha)
@@ -767,8 +822,7 @@ cdef class ReplayBuffer:
                                double beta, char** dst) noexcept nogil:
         cdef Py_ssize_t f, j
         if self._prioritized:
-            _draw_prioritized(&self._rng, self._sum, self._min, self._leaves, self._depth, size, beta,
-                              ip, wp, k)
+            _draw_prioritized(&self._rng, &self._tree, size, beta, ip, wp, k)
         else:
             _draw_uniform(&self._rng, ip, k, <uint64_t>size)
             for j in range(k):
