@@ -8,7 +8,8 @@ trip ends with the arrays in hand as numpy arrays (views where the method allows
 Implementations (same data, one run, side by side):
 
 * ``ext``          the compiled ``ext._codec`` (required unless ASYNCRL_PUREPYTHON=1):
-                   ``encode_into`` a preallocated numpy buffer + ``decode`` of that buffer
+                   ``encode_into`` a preallocated numpy buffer on a 64-byte boundary (as a
+                   shared-memory segment is) + ``decode`` of that buffer
 * ``ext-encode``   the same with plain ``encode`` (a new bytes object each time) + ``decode``
 * ``ref``          the pure-Python reference ``ext._codec_ref``, as ``ext``
 * ``pickle5``      ``pickle.dumps``/``loads`` protocol 5, in band, of the equivalent plain
@@ -18,7 +19,8 @@ Implementations (same data, one run, side by side):
 * ``struct``       a minimal hand-written header (``struct.pack``) + ``b"".join`` of the array
                    bytes, decoded with ``np.frombuffer`` views: no checksum, no validation, the
                    speed floor of a Python codec
-* ``memcpy``       ``np.copyto`` of the three arrays into preallocated views of one buffer: one
+* ``memcpy``       ``np.copyto`` of the three arrays into preallocated views of one buffer (on
+                   a 64-byte boundary, as ``ext``'s): one
                    copy of the payload, the physical limit of moving the sample
 
 ``benchmark.extra_info`` records ``payload_bytes`` (the array bytes) and ``wire_bytes``;
@@ -58,10 +60,19 @@ def make_arrays(n: int) -> tuple[dict, dict]:
 # implementation pays the same (minimal) Python call overhead.
 
 
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    """A writable uint8 buffer starting on a 64-byte boundary, as a shared-memory segment or an
+    mmap does (np.empty gives 16): the encoding's blocks then fall on cache lines, and no
+    64-byte load or store of the codec's passes straddles two of them."""
+    raw = np.empty(nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start : start + nbytes]
+
+
 def codec_round_trip(module, arrays, meta, plain: bool):
     """encode_into a reusable numpy buffer (or plain encode) + decode, through one codec."""
     sample = module.Sample(arrays, meta)
-    buf = np.empty(module.encoded_size(sample), np.uint8)
+    buf = aligned_buffer(module.encoded_size(sample))
     encode, encode_into, decode = module.encode, module.encode_into, module.decode
 
     def round_trip_into():
@@ -133,7 +144,7 @@ def memcpy(arrays, meta):
     """One np.copyto per array into preallocated views of one buffer."""
     names = list(arrays)
     s0, s1, s2 = arrays.values()
-    buf = np.empty(s0.nbytes + s1.nbytes + s2.nbytes, np.uint8)
+    buf = aligned_buffer(s0.nbytes + s1.nbytes + s2.nbytes)
     d0 = buf[: s0.nbytes].view(s0.dtype)
     d1 = buf[s0.nbytes : s0.nbytes + s1.nbytes].view(s1.dtype)
     d2 = buf[s0.nbytes + s1.nbytes :].view(s2.dtype)

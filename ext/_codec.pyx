@@ -214,26 +214,24 @@ cdef extern from *:
     __attribute__((target("avx512f")))
     static void codec_blocks_avx512(codec_lanes* s, uint8_t* dst, const uint8_t* src, size_t n) {
         __m512i a = _mm512_loadu_si512((const void*)s->a), b = _mm512_loadu_si512((const void*)s->b);
-        __m512i x1, x2, x3, x4;
+        __m512i x1;
         size_t i = 0;
-        for (; i + 4 <= n; i += 4, src += 256) {
-            x1 = _mm512_loadu_si512((const void*)src); x2 = _mm512_loadu_si512((const void*)(src + 64));
-            x3 = _mm512_loadu_si512((const void*)(src + 128)); x4 = _mm512_loadu_si512((const void*)(src + 192));
-            if (dst) {
-                _mm512_storeu_si512((void*)dst, x1); _mm512_storeu_si512((void*)(dst + 64), x2);
-                _mm512_storeu_si512((void*)(dst + 128), x3); _mm512_storeu_si512((void*)(dst + 192), x4);
-                dst += 256;
-            }
-            CODEC_STEP4(__m512i, _mm512_add_epi64, _mm512_slli_epi64, a, b, x1, x2, x3, x4);
-        }
-        for (; i < n; i++, src += 64) {
-            x1 = _mm512_loadu_si512((const void*)src);
-            if (dst) {
+        /* One block per step: two 512-bit adds per block on the two ports that run them,
+           each chain one add long, so a block a cycle; the four-block step of the AVX2
+           kernel costs 2.5 adds per block here. */
+        if (dst) {
+            for (; i < n; i++, src += 64, dst += 64) {
+                x1 = _mm512_loadu_si512((const void*)src);
                 _mm512_storeu_si512((void*)dst, x1);
-                dst += 64;
+                a = _mm512_add_epi64(a, x1);
+                b = _mm512_add_epi64(b, a);
             }
-            a = _mm512_add_epi64(a, x1);
-            b = _mm512_add_epi64(b, a);
+        } else {
+            for (; i < n; i++, src += 64) {
+                x1 = _mm512_loadu_si512((const void*)src);
+                a = _mm512_add_epi64(a, x1);
+                b = _mm512_add_epi64(b, a);
+            }
         }
         _mm512_storeu_si512((void*)s->a, a);
         _mm512_storeu_si512((void*)s->b, b);
@@ -719,9 +717,12 @@ cdef int _plan_meta(Field* f, str name, object v) except -1:
 
 
 cdef inline int _name_cmp(const char* a, Py_ssize_t na, const char* b, Py_ssize_t nb) noexcept nogil:
-    cdef int c = memcmp(a, b, na if na < nb else nb)
-    if c:
-        return c
+    """memcmp's order on names, then length; a loop in line, since names are a few bytes and
+    a call to memcmp costs more than the comparison."""
+    cdef Py_ssize_t k, m = na if na < nb else nb
+    for k in range(m):
+        if a[k] != b[k]:
+            return -1 if <uint8_t>a[k] < <uint8_t>b[k] else 1
     return (na > nb) - (na < nb)
 
 
@@ -999,29 +1000,32 @@ cdef Py_ssize_t _encode_into(Sample s, uint8_t* dst, Py_ssize_t size) except -1:
 
 
 cdef list _names = [None] * _NAME_CACHE  # name str of field i in the last decode
+# Their UTF-8 bytes (owned by the str objects that _names holds), compared without a call.
+cdef const char* _name_bytes[_NAME_CACHE]
+cdef Py_ssize_t _name_len[_NAME_CACHE]
 
 
 cdef object _name_at(Py_ssize_t i, const uint8_t* p, Py_ssize_t n):
     """The field name at ``p[:n]`` as str, reusing the previous decode's object when equal."""
-    cdef const char* c
     cdef Py_ssize_t cn
-    cached = _names[i] if i < _NAME_CACHE else None
-    if cached is not None:
-        c = PyUnicode_AsUTF8AndSize(cached, &cn)
-        if cn == n and memcmp(c, p, n) == 0:
-            return cached
+    if i < _NAME_CACHE and _name_cmp(_name_bytes[i], _name_len[i], <const char*>p, n) == 0:
+        return _names[i]
     try:
         name = PyUnicode_DecodeUTF8(<const char*>p, n, NULL)
     except UnicodeDecodeError:
         raise CodecError(f"field {i}: name is not valid utf-8") from None
     if i < _NAME_CACHE:
         _names[i] = name
+        _name_bytes[i] = PyUnicode_AsUTF8AndSize(name, &cn)
+        _name_len[i] = cn
     return name
 
 
 cdef int _check_padding(const uint8_t* data, Py_ssize_t lo, Py_ssize_t hi) except -1:
-    cdef Py_ssize_t k
-    for k in range(lo, hi):
+    cdef Py_ssize_t k = lo
+    while k + 8 <= hi and _rd64(data + k) == 0:  # eight bytes a step; a nonzero word is found bytewise
+        k += 8
+    for k in range(k, hi):
         if data[k]:
             raise CodecError(f"nonzero padding byte at offset {k}")
     return 0
@@ -1072,9 +1076,8 @@ cdef object _decode(const uint8_t* data, Py_ssize_t n, object base, bint writabl
     flags = _rd16(data + 10)
     if flags:
         raise CodecError(f"unsupported flags {flags:#06x}")
-    for k in range(_HEADER_USED, _HEADER):
-        if data[k]:
-            raise CodecError("reserved header bytes are not zero")
+    if _rd64(data + _HEADER_USED) | _rd64(data + _HEADER_USED + 8) | _rd64(data + _HEADER_USED + 16):
+        raise CodecError("reserved header bytes are not zero")
     table = _rd64(data + 24)
     if table > total - _HEADER:
         raise CodecError(f"field table of {table} bytes overruns the {total}-byte encoding")
