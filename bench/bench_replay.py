@@ -375,3 +375,19 @@ def test_update_priorities_random(benchmark, prioritized_buffer):
         return rng.integers(0, CAPACITY, BATCH, dtype=np.int64), _priorities(rng)
 
     _pedantic(benchmark, prioritized_buffer.update_priorities, fresh)
+
+
+@pytest.mark.benchmark(group="first fill, fresh processes")
+def test_first_fill_in_fresh_processes(benchmark):
+    """The first pass over a fresh 1M-row buffer, ours and cpprb's, six fresh processes each
+    (bench/first_fill.py): the rows per second of each fill and their spread go to extra_info,
+    which bench/targets.py reads. The time measured is the whole set of processes."""
+    _compiled()
+    import first_fill
+
+    result = benchmark.pedantic(first_fill.run, args=(6,), rounds=1, iterations=1)
+    for impl, s in result["summary"].items():
+        benchmark.extra_info[f"{impl}_fill_rows_per_s_median"] = s["rows_per_s_median"]
+        benchmark.extra_info[f"{impl}_fill_spread"] = s["spread"]
+        benchmark.extra_info[f"{impl}_to_full_s_median"] = s["to_full_s_median"]
+    assert all(len(r) == 6 for r in result["runs"].values())
