@@ -219,7 +219,28 @@ cdef extern from *:
         /* One block per step: two 512-bit adds per block on the two ports that run them,
            each chain one add long, so a block a cycle; the four-block step of the AVX2
            kernel costs 2.5 adds per block here. */
-        if (dst) {
+        if (dst && ((uintptr_t)src & 63) && !((uintptr_t)src & 7) && n) {
+            /* A source off a cache line (numpy starts arrays on 16 bytes) makes every 64-byte
+               load straddle two lines; instead each line is loaded once, aligned, and a block
+               is put together from two of them. The first and last loads read a few bytes
+               around the source, inside lines it occupies (so on its pages). */
+            const __m512i* line = (const __m512i*)((uintptr_t)src & ~(uintptr_t)63);
+            __m512i lo = _mm512_load_si512((const void*)line), hi;
+            switch (((uintptr_t)src & 63) >> 3) {
+            #define CODEC_ALIGNR(k_) case k_: \
+                for (; i < n; i++, dst += 64) { \
+                    hi = _mm512_load_si512((const void*)(++line)); \
+                    x1 = _mm512_alignr_epi64(hi, lo, k_); \
+                    lo = hi; \
+                    _mm512_storeu_si512((void*)dst, x1); \
+                    a = _mm512_add_epi64(a, x1); \
+                    b = _mm512_add_epi64(b, a); \
+                } \
+                break;
+            CODEC_ALIGNR(1) CODEC_ALIGNR(2) CODEC_ALIGNR(3) CODEC_ALIGNR(4) CODEC_ALIGNR(5) CODEC_ALIGNR(6) CODEC_ALIGNR(7)
+            #undef CODEC_ALIGNR
+            }
+        } else if (dst) {
             for (; i < n; i++, src += 64, dst += 64) {
                 x1 = _mm512_loadu_si512((const void*)src);
                 _mm512_storeu_si512((void*)dst, x1);
