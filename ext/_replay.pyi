@@ -2,7 +2,9 @@
 
 Same API and results as the pure-Python reference ``ext._replay_ref`` (same slots, rows,
 weights and exceptions for the same seed and calls). Not thread-safe by contract; concurrent
-calls never crash (a call that released the GIL makes the others wait).
+calls never crash (a call that released the GIL makes the others wait). Unlike the reference,
+whose zeroed storage takes pages as rows first land, the whole storage is resident once the
+constructor returns (its pages are faulted in there, in bulk).
 """
 
 from collections.abc import Mapping
