@@ -105,7 +105,6 @@ class ChunkIntake:
             "chunks_resent": self.chunks_resent,
             "env_steps": self.env_steps,
             "episodes": len(self.episode_returns),
-            "instance": self.instance,
         }
 
 

@@ -192,6 +192,10 @@ class SegmentQueue:
         self.left_at_end += len(self.queue.drain())
         self._room()
 
+    def polled(self) -> dict:
+        """``stats()`` and the ``instance`` of the process that answers (a driver's poll)."""
+        return {**self.stats(), "instance": self.intake.instance}
+
     def stats(self) -> dict:
         c = self.queue.counters()  # journaled: they survive a restart
         return {

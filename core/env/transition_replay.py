@@ -165,6 +165,10 @@ class TransitionReplay:
         """(next chunk seq, env steps taken) of ``sampler``: where a restarted sampler goes on."""
         return await self.intake.resume_point(sampler)
 
+    def polled(self) -> dict:
+        """``stats()`` and the ``instance`` of the process that answers (a driver's poll)."""
+        return {**self.stats(), "instance": self.intake.instance}
+
     def stats(self) -> dict:
         return {
             "size": len(self.buffer),

@@ -290,7 +290,7 @@ class AsyncDriver:
         most ``ray.recovery_timeout_s``). An answer from a new instance is a restart, whether or
         not a call failed in between."""
         try:
-            stats = ray.get(self.store.stats.remote())
+            stats = ray.get(self.store.polled.remote())
         except ray.exceptions.RayActorError:
             now = time.perf_counter()
             self.store_down_since = self.store_down_since or now
