@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from core.env.rate_limiter import RateLimiter  # noqa: E402
 from core.env.transition_replay import TransitionReplay  # noqa: E402
-from core.env.wiring import learner_threads, make_learner, make_policy, make_sampler, replay_args  # noqa: E402
+from core.env.wiring import learner_process, make_learner, make_policy, make_sampler, replay_args  # noqa: E402
 from harness.report import load_average  # noqa: E402
 from harness.scenario import load_variants  # noqa: E402
 
@@ -74,7 +74,7 @@ def sampler_costs(sc) -> dict:
 
 
 def learner_and_replay_costs(sc) -> dict:
-    torch.set_num_threads(learner_threads(sc))
+    learner_process(sc)
     # The replay's own work, without the pacing: a limiter that never holds either side back.
     args, kwargs = replay_args(sc, 0)
     most_in, most_out = sc.max_chunk_rows(), sc.max_sample_rows()

@@ -130,13 +130,13 @@ def _learner_line(text: str) -> str:
     t = text.strip()
     if "backward(" in t:
         return "learner: backward"
-    if "clip_grad_norm_" in t:
+    if "clip_grad_norm_" in t or "clip_flat_" in t:
         return "learner: grad clip"
-    if "opt.step" in t or "zero_grad" in t:
+    if "opt.step" in t or "zero_grad" in t or "grads.zero_" in t:
         return "learner: Adam step"
     if "target.load_state_dict" in t:
         return "learner: target copy"
-    if t.startswith("prio =") or "np.abs(td" in t:
+    if t.startswith("prio =") or "np.abs(td" in t or t.startswith("return prio"):
         return "learner: priorities out"
     if "torch.tensor(" in t or "torch.tensor(np.asarray" in t:
         return "learner: batch to tensors"

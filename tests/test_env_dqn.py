@@ -4,6 +4,7 @@ prioritized replay, and CartPole learned end to end in sync mode."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import math
 
 import numpy as np
@@ -57,6 +58,32 @@ def test_priorities_are_the_td_errors_of_the_double_dqn_target():
     prio, st = ler.update(b, np.ones(32))
     assert np.allclose(prio, np.abs((y - q).numpy()) + MIN_PRIORITY, atol=1e-6)
     assert st["grad_norm"] > 0
+
+
+def test_an_update_moves_the_weights_as_torchs_clip_and_adam_would():
+    """The learner's step (gradients in one flat buffer, one clip over it, fused Adam) against
+    torch's own per-parameter clip_grad_norm_ and Adam on a copy of the nets, with the clip
+    active at every step: the same norms and, after several steps, the same weights."""
+    torch.set_num_threads(1)
+    ler = DQNLearner(4, 2, HIDDEN, lr=1e-3, target_every=1000, grad_clip=0.01, seed=0)
+    online, target = copy.deepcopy(ler.online), copy.deepcopy(ler.target)
+    opt = torch.optim.Adam(online.parameters(), lr=1e-3, foreach=False)
+    opt.zero_grad(set_to_none=True)
+    for k in range(5):
+        b, w = fixed_batch(discount=0.9, seed=k), np.linspace(0.5, 1.0, 32, dtype=np.float32)
+        _, st = ler.update(b, w)
+        obs, nxt = torch.as_tensor(b["obs"]), torch.as_tensor(b["next_obs"])
+        q = online(obs).gather(1, torch.as_tensor(b["action"])[:, None]).squeeze(1)
+        with torch.no_grad():
+            y = torch.as_tensor(b["reward"]) + 0.9 * target(nxt).gather(1, online(nxt).argmax(1, keepdim=True)).squeeze(1)
+        (torch.as_tensor(w) * torch.nn.functional.smooth_l1_loss(q, y, reduction="none")).mean().backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(online.parameters(), 0.01))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert norm > 0.01 and st["grad_norm"] == pytest.approx(norm, rel=1e-5)
+    for k, v in online.state_dict().items():
+        torch.testing.assert_close(ler.online.state_dict()[k], v, rtol=0, atol=1e-6)
+    assert not torch.equal(ler.online.state_dict()["net.0.weight"], ler.target.state_dict()["net.0.weight"])  # it moved
 
 
 def test_a_learner_restored_from_its_state_goes_on_exactly_as_the_original(tmp_path):

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from core.env.net_state import adam_arrays, load_adam, load_into, weights_of
+from core.env.net_state import adam_arrays, adam_step, clip_flat_, flat_grads, load_adam, load_into, weights_of
 
 # A row with no TD error is still drawn now and then (PER's epsilon).
 MIN_PRIORITY = 1e-3
@@ -39,9 +39,44 @@ class QNetwork(nn.Module):
             width = h
         layers.append(nn.Linear(width, n_actions))
         self.net = nn.Sequential(*layers)
+        # Kept: slicing a Sequential builds a new Module, which cost as much as a layer.
+        self._linears = tuple(m for m in layers if isinstance(m, nn.Linear))
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.net(obs)
+        return self.outputs(obs)[-1]
+
+    def outputs(self, obs: torch.Tensor) -> list[torch.Tensor]:
+        """obs and every layer's output (after its ReLU; the last is the Q-values): what
+        ``backward_into`` reads. ``self.net``'s layers, called as ops rather than as modules,
+        whose calls cost as much as a layer's matmul here."""
+        outs = [obs]
+        linears = self._linears
+        for i, lin in enumerate(linears):
+            h = torch.addmm(lin.bias, outs[-1], lin.weight.t())
+            outs.append(h.relu_() if i < len(linears) - 1 else h)
+        return outs
+
+    def backward_into(self, outs: list[torch.Tensor], d_q: torch.Tensor) -> None:
+        """Write into each parameter's ``.grad`` the gradient of a loss whose gradient at the
+        Q-values (``outs[-1]``) is ``d_q``: autograd's arithmetic for Linear and ReLU, op for op
+        (tests/test_env_dqn.py checks the weights against autograd's), without its graph and
+        engine, which cost more than the matmuls at these sizes. Overwrites the grads."""
+        linears = self._linears
+        d = d_q
+        for i in range(len(linears) - 1, -1, -1):
+            lin = linears[i]
+            if i < len(linears) - 1:
+                d = d.mul_(outs[i + 1] > 0)  # ReLU's gradient: through where its output is positive
+            torch.mm(d.t(), outs[i], out=lin.weight.grad)
+            torch.sum(d, 0, out=lin.bias.grad)
+            if i:
+                d = torch.mm(d, lin.weight)
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    # A batch from the replay actor arrives as read-only views of the object store: copied. One
+    # sampled in this process is the caller's to give: shared.
+    return torch.from_numpy(a) if a.flags.writeable else torch.tensor(a)
 
 
 class EpsilonGreedy:
@@ -65,7 +100,7 @@ class EpsilonGreedy:
         return self.eps_start + frac * (self.eps_end - self.eps_start)
 
     def greedy(self, obs: np.ndarray) -> np.ndarray:
-        with torch.no_grad():
+        with torch.inference_mode():
             return self.net(torch.as_tensor(obs, dtype=torch.float32)).argmax(-1).numpy().astype(np.int64)
 
     def act(self, obs: np.ndarray, env_steps: int) -> tuple[np.ndarray, np.ndarray]:
@@ -92,7 +127,9 @@ class DQNLearner:
         self.online = QNetwork(obs_dim, n_actions, hidden)
         self.target = QNetwork(obs_dim, n_actions, hidden)
         self.target.load_state_dict(self.online.state_dict())
-        self.opt = torch.optim.Adam(self.online.parameters(), lr=lr)
+        # Fused: one kernel over every parameter instead of a dozen ops per parameter, Adam's arithmetic.
+        self.opt = torch.optim.Adam(self.online.parameters(), lr=lr, fused=True)
+        self.grads = flat_grads(list(self.online.parameters()))  # written by QNetwork.backward_into
         self.target_every = target_every
         self.grad_clip = grad_clip
         self.updates = 0
@@ -113,21 +150,22 @@ class DQNLearner:
 
     def update(self, batch: dict[str, np.ndarray], weights: np.ndarray) -> tuple[np.ndarray, dict]:
         """One Adam step on a minibatch; returns the rows' new priorities and the step's figures."""
-        # Copies: a batch from the replay actor arrives as read-only views of the object store.
-        obs, nxt, act, rew, disc = (torch.tensor(batch[k]) for k in ("obs", "next_obs", "action", "reward", "discount"))
-        w = torch.tensor(np.asarray(weights, dtype=np.float32))
-        q = self.online(obs).gather(1, act[:, None]).squeeze(1)
+        obs, nxt, act, rew, disc = (_tensor(batch[k]) for k in ("obs", "next_obs", "action", "reward", "discount"))
+        w = _tensor(np.asarray(weights, dtype=np.float32))
         with torch.no_grad():
+            outs = self.online.outputs(obs)
+            q = outs[-1].gather(1, act[:, None]).squeeze(1)
             best = self.online(nxt).argmax(1, keepdim=True)
             y = rew + disc * self.target(nxt).gather(1, best).squeeze(1)
-        td = y - q
-        loss = (w * nn.functional.smooth_l1_loss(q, y, reduction="none")).mean()
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        norm = float(nn.utils.clip_grad_norm_(self.online.parameters(), self.grad_clip))
-        self.opt.step()
+            td = y - q
+            loss = (w * nn.functional.smooth_l1_loss(q, y, reduction="none")).mean()
+            # The loss's gradient at q: the mean's 1/n, the weight, smooth L1's slope (beta 1) clipped at +-1.
+            dq = (w / len(w)) * (q - y).clamp(-1.0, 1.0)
+            self.online.backward_into(outs, torch.zeros_like(outs[-1]).scatter_(1, act[:, None], dq[:, None]))
+        norm = clip_flat_(self.grads, self.grad_clip)
+        adam_step(self.opt)
         self.updates += 1
         if self.updates % self.target_every == 0:
             self.target.load_state_dict(self.online.state_dict())
-        prio = np.abs(td.detach().numpy()).astype(np.float64) + MIN_PRIORITY
-        return prio, {"loss": float(loss.detach()), "q_mean": float(q.detach().mean()), "grad_norm": norm}
+        prio = td.abs_().numpy().astype(np.float64) + MIN_PRIORITY
+        return prio, {"loss": float(loss.detach()), "q_mean": float(q.detach().mean()), "grad_norm": float(norm)}

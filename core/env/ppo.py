@@ -34,7 +34,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from core.env.net_state import adam_arrays, generator_state, load_adam, load_generator, load_into, weights_of
+from core.env.net_state import (
+    adam_arrays, adam_step, clip_flat_, flat_grads, generator_state, load_adam, load_generator, load_into, weights_of,
+)
 from core.model.env_config import PPOSpec
 
 
@@ -59,6 +61,16 @@ class ActorCritic(nn.Module):
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         return self.vf(obs).squeeze(-1)
+
+    def log_prob_entropy(self, obs: torch.Tensor, act: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """log pi(act | obs) and the policy's entropy at obs: ``dist``'s numbers, for the learner's
+        minibatch step, where building and validating a Distribution costs more than the net."""
+        out = self.pi(obs)
+        if self.discrete:
+            logp_all = torch.log_softmax(out, -1)
+            return logp_all.gather(-1, act.unsqueeze(-1)).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+        d = torch.distributions.Normal(out, self.log_std.exp().expand_as(out), validate_args=False)
+        return d.log_prob(act).sum(-1), d.entropy().sum(-1)
 
     def mode(self, obs: torch.Tensor) -> torch.Tensor:
         out = self.pi(obs)
@@ -92,13 +104,21 @@ class StochasticPolicy:
         self.version = 0
 
     def act(self, obs: np.ndarray, env_steps: int) -> tuple[np.ndarray, np.ndarray]:
-        with torch.no_grad():
-            d = self.net.dist(torch.as_tensor(obs, dtype=torch.float32))
-            a = _sample(d, self.gen)
-            return a.numpy(), d.log_prob(a).numpy().astype(np.float32)
+        with torch.inference_mode():
+            x = torch.as_tensor(obs, dtype=torch.float32)
+            if not self.net.discrete:
+                d = self.net.dist(x)
+                a = _sample(d, self.gen)
+                return a.numpy(), d.log_prob(a).numpy().astype(np.float32)
+            # Categorical(logits=...)'s arithmetic, bit for bit, without building and validating one;
+            # sampled with the policy's own generator, so a sampler's actions depend on its seed alone.
+            out = self.net.pi(x)
+            logits = out - out.logsumexp(-1, keepdim=True)
+            a = torch.multinomial(logits.softmax(-1), 1, generator=self.gen)
+            return a.squeeze(-1).numpy(), logits.gather(-1, a).squeeze(-1).numpy()
 
     def greedy(self, obs: np.ndarray) -> np.ndarray:
-        with torch.no_grad():
+        with torch.inference_mode():
             return self.net.mode(torch.as_tensor(obs, dtype=torch.float32)).numpy()
 
     def set_weights(self, weights: dict[str, np.ndarray], version: int) -> None:
@@ -108,8 +128,6 @@ class StochasticPolicy:
 
 def _sample(d: torch.distributions.Distribution, gen: torch.Generator) -> torch.Tensor:
     # Sampled with the policy's own generator, so a sampler's actions depend on its seed alone.
-    if isinstance(d, torch.distributions.Categorical):
-        return torch.multinomial(d.probs, 1, generator=gen).squeeze(-1)
     base = d.base_dist
     return base.loc + base.scale * torch.randn(base.loc.shape, generator=gen)
 
@@ -142,7 +160,9 @@ class PPOLearner:
         self.gamma = gamma
         self.total = total_env_steps
         self.net = ActorCritic(obs_dim, actions, discrete, spec.hidden, spec.log_std_init)
-        self.opt = torch.optim.Adam(self.net.parameters(), lr=spec.lr, eps=1e-5)
+        # Fused: one kernel over every parameter instead of a dozen ops per parameter, Adam's arithmetic.
+        self.opt = torch.optim.Adam(self.net.parameters(), lr=spec.lr, eps=1e-5, fused=True)
+        self.grads = flat_grads(list(self.net.parameters()))
         self.gen = torch.Generator().manual_seed(seed + 1)
         self.updates = 0
 
@@ -172,7 +192,7 @@ class PPOLearner:
         obs, nxt, act = (torch.tensor(np.asarray(cols[k])) for k in ("obs", "next_obs", "action"))
         rew, term, ends, logp_mu = (torch.tensor(np.asarray(cols[k], dtype=np.float32)) for k in ("reward", "terminated", "ended", "logp"))
         with torch.no_grad():
-            logp_prox = self.net.dist(obs).log_prob(act)
+            logp_prox = self.net.log_prob_entropy(obs, act)[0]
             values, next_values = self.net.value(obs), self.net.value(nxt)
             ratio = (logp_prox - logp_mu).exp()  # the lag's importance weight, reported either way
             if p.lag_correction == "vtrace":
@@ -182,37 +202,50 @@ class PPOLearner:
                 logp_old = logp_mu
             targets = vtrace(values, next_values, rew, self.gamma * (1.0 - term), ends, rhos, p.gae_lambda * cs)
             adv = targets - values
-        flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
-        obs, act, logp_old, adv, targets = map(flat, (obs, act, logp_old, adv, targets))
-        n = len(adv)
-        figs = {"policy_loss": 0.0, "value_loss": 0.0, "entropy": 0.0, "clip_frac": 0.0, "approx_kl": 0.0}
-        steps = 0
+        n, m = adv.numel(), p.minibatch
+        flat = lambda x: x.reshape(n, -1)  # noqa: E731
+        # One tensor of every column a step reads, permuted by one gather per epoch; a minibatch is
+        # then a slice of it, and its columns views.
+        rows = torch.cat([flat(obs), flat(act).to(obs.dtype), flat(logp_old), flat(adv), flat(targets)], 1)
+        d_obs, d_act = flat(obs).shape[1], flat(act).shape[1]
+        per_epoch = len(range(0, n - m + 1, m))
+        steps = p.epochs * per_epoch
+        # Each step's losses and ratios, read out once after the last step.
+        losses = torch.empty(steps, 3)
+        ratios = torch.empty(steps, m)
+        step = 0
         for _ in range(p.epochs):
-            order = torch.randperm(n, generator=self.gen)
-            for start in range(0, n - p.minibatch + 1, p.minibatch):
-                idx = order[start:start + p.minibatch]
-                a = adv[idx]
-                a = (a - a.mean()) / (a.std() + 1e-8) if len(a) > 1 else a
-                d = self.net.dist(obs[idx])
-                logp = d.log_prob(act[idx])
-                r = (logp - logp_old[idx]).exp()
+            shuffled = rows[torch.randperm(n, generator=self.gen)]
+            for start in range(0, n - m + 1, m):
+                mb = shuffled[start:start + m]
+                o, a_mb = mb[:, :d_obs], mb[:, d_obs:d_obs + d_act]
+                logp_old_mb, a, target = mb[:, -3], mb[:, -2], mb[:, -1]
+                a_mb = a_mb.squeeze(1).long() if self.net.discrete else a_mb
+                a = (a - a.mean()) / (a.std() + 1e-8) if m > 1 else a
+                logp, ent = self.net.log_prob_entropy(o, a_mb)
+                r = (logp - logp_old_mb).exp()
                 pg = -torch.min(r * a, r.clamp(1.0 - clip, 1.0 + clip) * a).mean()
-                vl = ((self.net.value(obs[idx]) - targets[idx]) ** 2).mean()
-                ent = d.entropy().mean()
-                loss = pg + p.vf_coef * vl - p.ent_coef * ent
-                self.opt.zero_grad(set_to_none=True)
+                vl = ((self.net.value(o) - target) ** 2).mean()
+                ent = ent.mean()
+                loss = pg + p.vf_coef * vl
+                if p.ent_coef:  # with none, the entropy's gradient is zero: left out of backward
+                    loss = loss - p.ent_coef * ent
+                self.grads.zero_()
                 loss.backward()
-                nn.utils.clip_grad_norm_(self.net.parameters(), p.grad_clip)
-                self.opt.step()
+                clip_flat_(self.grads, p.grad_clip)
+                adam_step(self.opt)
                 with torch.no_grad():
-                    figs["policy_loss"] += float(pg)
-                    figs["value_loss"] += float(vl)
-                    figs["entropy"] += float(ent)
-                    figs["clip_frac"] += float(((r - 1.0).abs() > clip).float().mean())
-                    figs["approx_kl"] += float(((r - 1.0) - r.log()).mean())
-                steps += 1
+                    losses[step] = torch.stack((pg, vl, ent))
+                    ratios[step] = r
+                step += 1
+        figs = {}
+        if steps:
+            with torch.no_grad():
+                figs = dict(zip(("policy_loss", "value_loss", "entropy"), losses.mean(0).tolist()))
+                figs["clip_frac"] = float(((ratios - 1.0).abs() > clip).float().mean())
+                figs["approx_kl"] = float(((ratios - 1.0) - ratios.log()).mean())
         self.updates += steps
-        out = {k: v / max(1, steps) for k, v in figs.items()}
+        out = {k: figs.get(k, 0.0) for k in ("policy_loss", "value_loss", "entropy", "clip_frac", "approx_kl")}
         out.update(updates=steps, lr=lr, rho_mean=float(ratio.mean()), rho_truncated=float((ratio > p.rho_bar).float().mean()))
         return out
 

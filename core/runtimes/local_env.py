@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
-import torch
 
 from core.api import RunStopped
 from core.env import learner_checkpoint
@@ -34,7 +33,7 @@ from core.env.learner_checkpoint import LEARNER_KIND
 from core.env.sampler import Policy
 from core.env.segment_queue import batch_columns
 from core.env.wiring import (
-    JOURNAL_KIND, SAMPLER_SEED, beta_at, learner_threads, make_learner, make_policy, make_queue, make_replay, make_sampler,
+    JOURNAL_KIND, SAMPLER_SEED, beta_at, learner_process, make_learner, make_policy, make_queue, make_replay, make_sampler,
 )
 from core.model.env_config import EnvScenario
 from core.model.owned import keep_owned, remove_owned
@@ -64,7 +63,7 @@ async def run_sync(
     store took, its environments in new episodes. ``stop_at_version``: stop once that version
     is checkpointed, as a crash would (``RunStopped``), unless the run resumed at or past it.
     ``on_progress`` is told every version published and every evaluation, as they happen."""
-    torch.set_num_threads(learner_threads(sc))
+    learner_process(sc)
     loop = SyncLoop(sc, seed, evaluate or greedy_return(sc, seed), stop_at_target, run_dir, stop_at_version, on_progress)
     restored = await loop.restore()
     return await loop.train(restored)

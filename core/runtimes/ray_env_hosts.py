@@ -24,7 +24,7 @@ from core.env.chunk_intake import STALE_AT_LEARNER, chunk_ledger
 from core.env.evaluation import episode_returns
 from core.env.held_time import HeldTime
 from core.env.segment_queue import batch_columns
-from core.env.wiring import EVAL_SEED, beta_at, learner_threads, make_learner, make_policy, make_sampler
+from core.env.wiring import EVAL_SEED, beta_at, learner_process, make_learner, make_policy, make_sampler
 from core.model.env_config import EnvScenario
 from core.model.ledger import Ledger
 from core.model.progress import VersionPublished
@@ -170,7 +170,7 @@ class LearnerHost:
         """``checkpoints``: where to keep them (and restore from, if any are there); ``stop_at``:
         stop after this version, checkpointed, as a crash would stop the run (``--stop-at-step``),
         unless it restored a version at or past it."""
-        torch.set_num_threads(learner_threads(sc))
+        learner_process(sc)
         self.sc = sc
         self.learner = make_learner(sc, seed)
         self.version = 0
