@@ -81,9 +81,6 @@ cdef extern from *:
     #include <sys/mman.h>
     #define rb_prefetch(p) __builtin_prefetch((const void *)(p))
     #define rb_prefetch_w(p) __builtin_prefetch((const void *)(p), 1)
-    /* Memory on 2 MiB boundaries, marked for transparent huge pages: a priority tree is read
-       along random root-to-leaf paths, and on 4 KiB pages nearly every lower level of a path
-       is a TLB miss. Freed with free(). */
     /* Fault in [p, p + bytes) now, writable: the kernel zero-fills the pages in one call, in
        bulk (huge pages where the range is marked for them), rather than one fault per page
        when rows first land. Returns 0, or -1 where the kernel has no MADV_POPULATE_WRITE
@@ -107,7 +104,7 @@ cdef extern from *:
     #include <emmintrin.h>
     /* memcpy for long copies into the ring: the slots written are cold (their last reader was
        long ago), so stores that skip the cache save reading every line before overwriting it
-       (the reads a plain store makes), a third of the memory traffic of an add. */
+       (the read a plain store makes first: half the destination's memory traffic). */
     static void rb_copy_stream(char *dst, const char *src, size_t n) {
         size_t head = (16 - ((uintptr_t)dst & 15)) & 15, k;
         if (n < 4096) { memcpy(dst, src, n); return; }
@@ -125,6 +122,9 @@ cdef extern from *:
     #else
     #define rb_copy_stream memcpy
     #endif
+    /* Memory on 2 MiB boundaries, marked for transparent huge pages: a priority tree is read
+       along random root-to-leaf paths, and on 4 KiB pages nearly every lower level of a path
+       is a TLB miss. Freed with free(). */
     static void *rb_alloc_pages(size_t bytes) {
         void *p = NULL;
         size_t align = (size_t)2 << 20, size = (bytes + align - 1) & ~(align - 1);
