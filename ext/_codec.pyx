@@ -1029,6 +1029,7 @@ cdef Py_ssize_t _name_len[_NAME_CACHE]
 cdef object _name_at(Py_ssize_t i, const uint8_t* p, Py_ssize_t n):
     """The field name at ``p[:n]`` as str, reusing the previous decode's object when equal."""
     cdef Py_ssize_t cn
+    cdef const char* c
     if i < _NAME_CACHE and _name_cmp(_name_bytes[i], _name_len[i], <const char*>p, n) == 0:
         return _names[i]
     try:
@@ -1036,8 +1037,9 @@ cdef object _name_at(Py_ssize_t i, const uint8_t* p, Py_ssize_t n):
     except UnicodeDecodeError:
         raise CodecError(f"field {i}: name is not valid utf-8") from None
     if i < _NAME_CACHE:
+        c = PyUnicode_AsUTF8AndSize(name, &cn)  # before the cache changes: it can raise
         _names[i] = name
-        _name_bytes[i] = PyUnicode_AsUTF8AndSize(name, &cn)
+        _name_bytes[i] = c
         _name_len[i] = cn
     return name
 
