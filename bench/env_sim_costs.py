@@ -74,7 +74,11 @@ def sampler_costs(sc) -> dict:
 
 
 def learner_and_replay_costs(sc) -> dict:
-    learner_process(sc)
+    with learner_process(sc):  # the learner's threads and float mode, as in a run
+        return _learner_and_replay_costs(sc)
+
+
+def _learner_and_replay_costs(sc) -> dict:
     # The replay's own work, without the pacing: a limiter that never holds either side back.
     args, kwargs = replay_args(sc, 0)
     most_in, most_out = sc.max_chunk_rows(), sc.max_sample_rows()

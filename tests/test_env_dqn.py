@@ -140,6 +140,16 @@ def test_sync_dqn_learns_cartpole_to_475():
     assert min(curve.policy_lag) >= 0 and curve.policy_lag[-1] > 1
 
 
+def test_a_sync_run_leaves_its_callers_floats_as_they_were():
+    """The learner flushes denormals while it runs (core.env.wiring.learner_process); the
+    thread that ran it gets its float mode back, so the caller's denormals (numpy's, torch's,
+    hypothesis's) still exist after the run."""
+    tiny = np.array([1e-40], dtype=np.float32)
+    assert tiny[0] * np.float32(2.0) != 0.0
+    asyncio.run(run_sync(cartpole(1200), seed=0))
+    assert tiny[0] * np.float32(2.0) != 0.0 and float(torch.tensor([1e-40]).mul_(2.0)) != 0.0
+
+
 def test_sync_dqn_is_deterministic_for_a_seed():
     """Two runs of one seed end with the same policy: every greedy action on a fixed set of
     observations is the same, and so are the counters."""

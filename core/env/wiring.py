@@ -14,10 +14,12 @@ its own Ray actor (``core/runtimes/ray_env.py``), built by the same functions he
 
 from __future__ import annotations
 
+import contextlib
+
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
 import gymnasium as gym
 import numpy as np
@@ -185,14 +187,30 @@ def learner_threads(sc: EnvScenario) -> int:
     return max(1, int(sc.ray.learner.num_cpus))
 
 
-def learner_process(sc: EnvScenario) -> None:
-    """Set up the process a learner runs in, in either mode: ``learner_threads`` torch threads, and
-    denormal floats flushed to zero. Adam's first moment of a weight whose gradient stays zero (a
-    dead ReLU unit) decays through the denormal range, where each multiply costs ~100x; on
-    CartPole DQN that was 40 % of the 256x256 layer's moments, and Adam's step took 5x its time.
-    Values below 1.2e-38 change no weight: Adam divides them by at least its eps."""
+@contextlib.contextmanager
+def learner_process(sc: EnvScenario) -> Iterator[None]:
+    """While a learner runs: ``learner_threads`` torch threads, and denormal floats flushed to
+    zero on this thread. Adam's first moment of a weight whose gradient stays zero (a dead ReLU
+    unit) decays through the denormal range, where each multiply costs ~100x; on CartPole DQN
+    that was 40 % of the 256x256 layer's moments, and Adam's step took 5x its time. Values below
+    1.2e-38 change no weight: Adam divides them by at least its eps.
+
+    The flush is the thread's floating-point state, which everything else on it shares (a
+    sync run's caller, numpy, hypothesis): it is put back as it was when the block ends. A
+    process asyncrl owns for the learner alone (the Ray actor) enters the block for its life."""
     torch.set_num_threads(learner_threads(sc))
+    was = _flushing_denormals()
     torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        if not was:
+            torch.set_flush_denormal(False)
+
+
+def _flushing_denormals() -> bool:
+    # torch can set the flag but not read it: a denormal that comes out zero says it is set.
+    return float(torch.tensor([1e-40], dtype=torch.float32).mul_(2.0)) == 0.0
 
 
 def beta_at(sc: EnvScenario, env_steps: int) -> float:

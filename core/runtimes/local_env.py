@@ -63,10 +63,10 @@ async def run_sync(
     store took, its environments in new episodes. ``stop_at_version``: stop once that version
     is checkpointed, as a crash would (``RunStopped``), unless the run resumed at or past it.
     ``on_progress`` is told every version published and every evaluation, as they happen."""
-    learner_process(sc)
-    loop = SyncLoop(sc, seed, evaluate or greedy_return(sc, seed), stop_at_target, run_dir, stop_at_version, on_progress)
-    restored = await loop.restore()
-    return await loop.train(restored)
+    with learner_process(sc):
+        loop = SyncLoop(sc, seed, evaluate or greedy_return(sc, seed), stop_at_target, run_dir, stop_at_version, on_progress)
+        restored = await loop.restore()
+        return await loop.train(restored)
 
 
 class SyncLoop:

@@ -24,7 +24,7 @@ from core.env.chunk_intake import STALE_AT_LEARNER, chunk_ledger
 from core.env.evaluation import episode_returns
 from core.env.held_time import HeldTime
 from core.env.segment_queue import batch_columns
-from core.env.wiring import EVAL_SEED, beta_at, learner_process, make_learner, make_policy, make_sampler
+from core.env.wiring import EVAL_SEED, beta_at, learner_process, learner_threads, make_learner, make_policy, make_sampler
 from core.model.env_config import EnvScenario
 from core.model.ledger import Ledger
 from core.model.progress import VersionPublished
@@ -170,7 +170,7 @@ class LearnerHost:
         """``checkpoints``: where to keep them (and restore from, if any are there); ``stop_at``:
         stop after this version, checkpointed, as a crash would stop the run (``--stop-at-step``),
         unless it restored a version at or past it."""
-        learner_process(sc)
+        torch.set_num_threads(learner_threads(sc))
         self.sc = sc
         self.learner = make_learner(sc, seed)
         self.version = 0
@@ -287,11 +287,12 @@ class LearnerHost:
         self.told.append(VersionPublished(self.version, time.time(), 0, self.updates, figures or {}))
 
     async def run(self, store) -> dict:
-        """Learn until the store closes."""
-        if self.sc.learner == "ppo":
-            await self._run_ppo(store)
-        else:
-            await self._run_dqn(store)
+        """Learn until the store closes (on the thread that runs the updates, set up for them)."""
+        with learner_process(self.sc):
+            if self.sc.learner == "ppo":
+                await self._run_ppo(store)
+            else:
+                await self._run_dqn(store)
         out = {"updates": self.updates, "versions": self.version, "policy_lag": self.policy_lag,
                "update_s": self.update_s, "sample_wait_s": self.sample_wait_s, "chunks": self.chunks,
                "trained_chunks": self.chunks.trained, "stale_at_learner": self.chunks.dropped[STALE_AT_LEARNER],
