@@ -128,17 +128,17 @@ def _replay_category(func: str) -> str:
 
 def _learner_line(text: str) -> str:
     t = text.strip()
-    if "backward(" in t:
+    if "backward(" in t or "backward_into(" in t:
         return "learner: backward"
     if "clip_grad_norm_" in t or "clip_flat_" in t:
         return "learner: grad clip"
-    if "opt.step" in t or "zero_grad" in t or "grads.zero_" in t:
+    if "opt.step" in t or "adam_step(" in t or "zero_grad" in t or "grads.zero_" in t:
         return "learner: Adam step"
     if "target.load_state_dict" in t:
         return "learner: target copy"
     if t.startswith("prio =") or "np.abs(td" in t or t.startswith("return prio"):
         return "learner: priorities out"
-    if "torch.tensor(" in t or "torch.tensor(np.asarray" in t:
+    if "torch.tensor(" in t or "_tensor(" in t:
         return "learner: batch to tensors"
     return "learner: forward + loss"
 

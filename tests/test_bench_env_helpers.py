@@ -73,9 +73,12 @@ def test_stacks_are_charged_to_what_they_ran(profile):
     # The compiled replay makes no frame: the line that calls the buffer says which method.
     line = _line_of("core/env/transition_replay.py", "self.buffer.update_priorities(")
     assert profile.categorize(loop + [f"TransitionReplay.update_priorities (core/env/transition_replay.py:{line})"]) == profile.REPLAY_PRIO
-    back = _line_of("core/env/dqn.py", "loss.backward()")
-    assert profile.categorize(loop + [f"DQNLearner.update (core/env/dqn.py:{back})", "backward (torch/autograd/__init__.py:1)"]) \
+    back = _line_of("core/env/dqn.py", "self.online.backward_into(")
+    assert profile.categorize(loop + [f"DQNLearner.update (core/env/dqn.py:{back})", "QNetwork.backward_into (core/env/dqn.py:1)"]) \
         == "learner: backward"
+    adam = _line_of("core/env/dqn.py", "adam_step(self.opt)")
+    assert profile.categorize(loop + [f"DQNLearner.update (core/env/dqn.py:{adam})", "adam (torch/optim/adam.py:1)"]) \
+        == "learner: Adam step"
     assert profile.categorize(loop + ["EnvSampler.collect (core/env/sampler.py:1)", "EpsilonGreedy.act (core/env/dqn.py:1)",
                                       "Linear.forward (torch/nn/modules/linear.py:1)"]) == "policy (sampler's forward)"
     # Ray's blocked threads are waiting, not busy; Ray's work under the actor's method is Ray's.
