@@ -67,7 +67,7 @@ class ActorCritic(nn.Module):
         minibatch step, where building and validating a Distribution costs more than the net."""
         out = self.pi(obs)
         if self.discrete:
-            logp_all = torch.log_softmax(out, -1)
+            logp_all = _log_probs(out)
             return logp_all.gather(-1, act.unsqueeze(-1)).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
         d = torch.distributions.Normal(out, self.log_std.exp().expand_as(out), validate_args=False)
         return d.log_prob(act).sum(-1), d.entropy().sum(-1)
@@ -113,7 +113,7 @@ class StochasticPolicy:
             # Categorical(logits=...)'s arithmetic, bit for bit, without building and validating one;
             # sampled with the policy's own generator, so a sampler's actions depend on its seed alone.
             out = self.net.pi(x)
-            logits = out - out.logsumexp(-1, keepdim=True)
+            logits = _log_probs(out)
             a = torch.multinomial(logits.softmax(-1), 1, generator=self.gen)
             return a.squeeze(-1).numpy(), logits.gather(-1, a).squeeze(-1).numpy()
 
@@ -124,6 +124,12 @@ class StochasticPolicy:
     def set_weights(self, weights: dict[str, np.ndarray], version: int) -> None:
         load_into(self.net, weights)
         self.version = version
+
+
+def _log_probs(out: torch.Tensor) -> torch.Tensor:
+    """Categorical(logits=out)'s normalised logits, its arithmetic: the one log-probability the
+    samplers (the behaviour policy) and the learner both take, so a ratio at no lag is exactly 1."""
+    return out - out.logsumexp(-1, keepdim=True)
 
 
 def _sample(d: torch.distributions.Distribution, gen: torch.Generator) -> torch.Tensor:
