@@ -37,6 +37,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+cimport cython
 cimport numpy as cnp
 from cpython.buffer cimport PyBUF_FULL_RO, PyBuffer_IsContiguous, PyBuffer_Release, PyObject_CheckBuffer, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
@@ -74,6 +75,9 @@ cnp.import_array()
 
 cdef extern from "Python.h":
     const char* PyUnicode_AsUTF8AndSize(object s, Py_ssize_t* size) except NULL
+    bint PyUnicode_IS_COMPACT_ASCII(PyObject* s)
+    void* PyUnicode_DATA(PyObject* s)
+    Py_ssize_t PyUnicode_GET_LENGTH(PyObject* s)
     object PyUnicode_DecodeUTF8(const char* s, Py_ssize_t size, const char* errors)
     object PyDictProxy_New(object mapping)
     object PyMemoryView_FromObject(object obj)
@@ -132,6 +136,15 @@ cdef extern from *:
         }
         memcpy(s->a, a, sizeof a);
         memcpy(s->b, b, sizeof b);
+    }
+
+    typedef uint64_t (*codec_fold)(const codec_lanes*, const uint64_t*, const uint64_t*);
+
+    static uint64_t codec_fold_scalar(const codec_lanes* s, const uint64_t* ka, const uint64_t* kb) {
+        uint64_t x = 0;
+        int j;
+        for (j = 0; j < 8; j++) x += s->a[j] * ka[j] + s->b[j] * kb[j];
+        return x;
     }
 
     #if CODEC_HAVE_SSE2
@@ -257,6 +270,27 @@ cdef extern from *:
         _mm512_storeu_si512((void*)s->a, a);
         _mm512_storeu_si512((void*)s->b, b);
     }
+    /* The weighted sum of the lanes that the checksum's finish mixes. The AVX-512 kernel leaves
+       its lanes with two 512-bit stores, and 64-bit loads of their upper halves are not
+       forwarded from those: each waited for every store still pending (all of the copy's)
+       to reach the cache, a third of an encode's fixed cost. Its fold loads the lanes at the
+       width they were stored and takes them out of registers. */
+    __attribute__((target("avx512f")))
+    static uint64_t codec_fold_avx512(const codec_lanes* s, const uint64_t* ka, const uint64_t* kb) {
+        __m512i v[2] = {_mm512_loadu_si512((const void*)s->a), _mm512_loadu_si512((const void*)s->b)};
+        const uint64_t* k[2] = {ka, kb};
+        uint64_t x = 0;
+        int h, q;
+        for (h = 0; h < 2; h++) {
+            __m256i half[2] = {_mm512_castsi512_si256(v[h]), _mm512_extracti64x4_epi64(v[h], 1)};
+            for (q = 0; q < 2; q++) {
+                __m128i lo = _mm256_castsi256_si128(half[q]), hi = _mm256_extracti128_si256(half[q], 1);
+                x += (uint64_t)_mm_cvtsi128_si64(lo) * k[h][4 * q] + (uint64_t)_mm_extract_epi64(lo, 1) * k[h][4 * q + 1]
+                   + (uint64_t)_mm_cvtsi128_si64(hi) * k[h][4 * q + 2] + (uint64_t)_mm_extract_epi64(hi, 1) * k[h][4 * q + 3];
+            }
+        }
+        return x;
+    }
     static int codec_cpu_has(int which) {
         __builtin_cpu_init();
         if (which == 2) return __builtin_cpu_supports("avx2") ? 1 : 0;
@@ -266,8 +300,21 @@ cdef extern from *:
     #else
     #define codec_blocks_avx2 codec_blocks_scalar
     #define codec_blocks_avx512 codec_blocks_scalar
+    #define codec_fold_avx512 codec_fold_scalar
     static int codec_cpu_has(int which) { (void)which; return 0; }
     #endif
+
+    /* a * b into *out; nonzero when the product passes INT64_MAX (numpy's bound on an array's
+       bytes). A multiply and a flag where a division by the item size cost tens of cycles. */
+    static inline int codec_mul_past_int64(uint64_t a, uint64_t b, uint64_t* out) {
+    #if defined(__GNUC__)
+        return __builtin_mul_overflow(a, b, out) || *out > (uint64_t)INT64_MAX;
+    #else
+        if (b && a > (uint64_t)INT64_MAX / b) return 1;
+        *out = a * b;
+        return 0;
+    #endif
+    }
     """
     ctypedef struct codec_lanes:
         uint64_t a[8]
@@ -277,8 +324,12 @@ cdef extern from *:
     void codec_blocks_sse2(codec_lanes*, uint8_t*, const uint8_t*, size_t) noexcept nogil
     void codec_blocks_avx2(codec_lanes*, uint8_t*, const uint8_t*, size_t) noexcept nogil
     void codec_blocks_avx512(codec_lanes*, uint8_t*, const uint8_t*, size_t) noexcept nogil
+    ctypedef uint64_t (*codec_fold)(const codec_lanes*, const uint64_t*, const uint64_t*) noexcept nogil
+    uint64_t codec_fold_scalar(const codec_lanes*, const uint64_t*, const uint64_t*) noexcept nogil
+    uint64_t codec_fold_avx512(const codec_lanes*, const uint64_t*, const uint64_t*) noexcept nogil
     int CODEC_HAVE_SSE2
     int codec_cpu_has(int which)
+    int codec_mul_past_int64(uint64_t a, uint64_t b, uint64_t* out) noexcept nogil
 
 
 MAGIC = b"\x89ASAMP\r\n"
@@ -333,6 +384,7 @@ for _j in range(8):
     _KB[_j] = (<uint64_t>0xC2B2AE3D27D4EB4F * <uint64_t>(2 * _j + 1)) << 1
 
 cdef codec_kernel _blocks = codec_blocks_scalar
+cdef codec_fold _fold = codec_fold_scalar
 cdef str _kernel_name = "scalar"
 _KERNELS = {"scalar": 0}
 if CODEC_HAVE_SSE2:
@@ -350,9 +402,10 @@ def _kernels():
 
 def _use_kernel(str name):
     """Switch the checksum kernel (all compute the same function); returns the previous name."""
-    global _blocks, _kernel_name
+    global _blocks, _fold, _kernel_name
     cdef str previous = _kernel_name
     which = _KERNELS[name]
+    _fold = codec_fold_avx512 if which == 3 else codec_fold_scalar
     if which == 0:
         _blocks = codec_blocks_scalar
     elif which == 1:
@@ -409,23 +462,21 @@ cdef inline uint64_t _fmix64(uint64_t k) noexcept nogil:
 
 
 cdef inline uint64_t _finish(const codec_lanes* s) noexcept nogil:
-    cdef uint64_t x = 0
-    cdef int j
-    for j in range(8):
-        x += s.a[j] * _KA[j] + s.b[j] * _KB[j]
-    return _fmix64(x)
+    return _fmix64(_fold(s, _KA, _KB))
 
 
 cdef uint64_t _checksum_blocks(const uint8_t* data, Py_ssize_t n) noexcept nogil:
-    """Checksum of ``data[:n]`` (n a positive multiple of 64), bytes 32..39 taken as zero."""
+    """Checksum of ``data[:n]`` (n a positive multiple of 64), bytes 32..39 taken as zero.
+
+    The blocks are summed as they are, and the word at 32 (lane 4 of the first block, which
+    a[4] holds once and b[4] once per block) is taken out of the lanes' weighted sum after:
+    the same value, mod 2**64, without a zeroed copy of the header, whose stores the kernel's
+    wide load could only read once they had reached the cache."""
     cdef codec_lanes s
-    cdef uint8_t first[_HEADER]
+    cdef uint64_t word = _rd64(data + _CHECKSUM_AT), blocks = <uint64_t>(n // _ALIGN)
     memset(&s, 0, sizeof(s))
-    memcpy(first, data, _HEADER)
-    memset(first + _CHECKSUM_AT, 0, 8)
-    _blocks(&s, NULL, first, 1)
-    _blocks(&s, NULL, data + _HEADER, <size_t>((n - _HEADER) // _ALIGN))
-    return _finish(&s)
+    _blocks(&s, NULL, data, <size_t>blocks)
+    return _fmix64(_fold(&s, _KA, _KB) - word * _KA[_CHECKSUM_AT // 8] - blocks * word * _KB[_CHECKSUM_AT // 8])
 
 
 cdef uint64_t _checksum(const uint8_t* data, Py_ssize_t n):
@@ -562,6 +613,10 @@ cdef bint _same_bits(object x, object y):
 cdef dict _EMPTY = {}  # shared by Samples until their fields are set; never mutated
 
 
+# Not tracked by the cycle collector: a Sample holds two private dicts of ndarrays and scalars,
+# and ndarrays are not tracked either, so no cycle through a Sample could ever be found; the
+# tracking only cost every decode a gc link and a share of the collections it set off.
+@cython.no_gc
 cdef class Sample:
     """Named numpy arrays plus named scalar metadata; the unit that ``encode`` serialises.
 
@@ -737,6 +792,15 @@ cdef int _plan_meta(Field* f, str name, object v) except -1:
     return 0
 
 
+cdef inline const char* _utf8(PyObject* s, Py_ssize_t* n) except NULL:
+    """A str's UTF-8 bytes: a compact ASCII str's own characters, read in place without a call
+    (field names nearly always are), else CPython's cached UTF-8 copy."""
+    if PyUnicode_IS_COMPACT_ASCII(s):
+        n[0] = PyUnicode_GET_LENGTH(s)
+        return <const char*>PyUnicode_DATA(s)
+    return PyUnicode_AsUTF8AndSize(<object>s, n)
+
+
 cdef inline int _name_cmp(const char* a, Py_ssize_t na, const char* b, Py_ssize_t nb) noexcept nogil:
     """memcmp's order on names, then length; a loop in line, since names are a few bytes and
     a call to memcmp costs more than the comparison."""
@@ -766,10 +830,10 @@ cdef Py_ssize_t _plan(Sample s, Field* fields, Py_ssize_t* table_out) except -1:
         raise ValueError(f"a sample holds at most {_MAX_FIELDS} fields, this one has {count}")
     has_a = PyDict_Next(s._arrays, &pa, &ka, &va)
     if has_a:
-        sa = PyUnicode_AsUTF8AndSize(<object>ka, &na)
+        sa = _utf8(ka, &na)
     has_m = PyDict_Next(s._meta, &pm, &km, &vm)
     if has_m:
-        sm = PyUnicode_AsUTF8AndSize(<object>km, &nm)
+        sm = _utf8(km, &nm)
     while has_a or has_m:
         take_a = has_a and (not has_m or _name_cmp(sa, na, sm, nm) < 0)
         f = &fields[i]
@@ -783,7 +847,7 @@ cdef Py_ssize_t _plan(Sample s, Field* fields, Py_ssize_t* table_out) except -1:
             data = _align(data + f.nbytes)
             has_a = PyDict_Next(s._arrays, &pa, &ka, &va)
             if has_a:
-                sa = PyUnicode_AsUTF8AndSize(<object>ka, &na)
+                sa = _utf8(ka, &na)
         else:
             f.name = sm
             f.name_len = nm
@@ -797,7 +861,7 @@ cdef Py_ssize_t _plan(Sample s, Field* fields, Py_ssize_t* table_out) except -1:
                 table += 4 + <Py_ssize_t>f.bits
             has_m = PyDict_Next(s._meta, &pm, &km, &vm)
             if has_m:
-                sm = PyUnicode_AsUTF8AndSize(<object>km, &nm)
+                sm = _utf8(km, &nm)
         i += 1
     if i != count:
         raise RuntimeError("Sample fields changed while encoding")
@@ -1030,7 +1094,7 @@ cdef object _name_at(Py_ssize_t i, const uint8_t* p, Py_ssize_t n):
     """The field name at ``p[:n]`` as str, reusing the previous decode's object when equal."""
     cdef Py_ssize_t cn
     cdef const char* c
-    if i < _NAME_CACHE and _name_cmp(_name_bytes[i], _name_len[i], <const char*>p, n) == 0:
+    if i < _NAME_CACHE and _name_len[i] == n and memcmp(_name_bytes[i], p, <size_t>n) == 0:
         return _names[i]
     try:
         name = PyUnicode_DecodeUTF8(<const char*>p, n, NULL)
@@ -1148,11 +1212,9 @@ cdef object _decode(const uint8_t* data, Py_ssize_t n, object base, bint writabl
                 dim = _rd64(data + p + 8 * k)
                 if dim == 0:
                     empty = True
-                elif dim > <uint64_t>INT64_MAX // size:
+                elif codec_mul_past_int64(size, dim, &size):
                     shape = tuple([_rd64(data + p + 8 * j) for j in range(ndim)])
                     raise CodecError(f"field {i} ({name!r}): shape {shape} overflows")
-                else:
-                    size *= dim
                 dims[k] = <cnp.npy_intp>dim
             p += 8 * ndim
             nbytes = 0 if empty else size
