@@ -57,7 +57,7 @@ from collections.abc import Mapping
 import numpy as np
 
 cimport numpy as cnp
-from cpython.dict cimport PyDict_GetItemWithError, PyDict_Size
+from cpython.dict cimport PyDict_GetItemWithError, PyDict_Next, PyDict_Size
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF, Py_INCREF
@@ -685,6 +685,8 @@ cdef class ReplayBuffer:
         cdef const char** src = stack_src
         cdef PyObject** held = stack_held
         cdef PyObject* item
+        cdef PyObject* entry
+        cdef Py_ssize_t at = 0
         cdef cnp.ndarray out
         cdef int64_t* slots
         cdef bint is_dict = type(batch) is dict
@@ -701,9 +703,13 @@ cdef class ReplayBuffer:
             for f in range(nf):
                 name = self._names[f]
                 if is_dict:
-                    item = PyDict_GetItemWithError(batch, name)
-                    if item == NULL:
-                        raise KeyError(f"batch is missing field {name!r}")
+                    # A batch built from the spec's names holds them in its order, the same str
+                    # objects: its f-th entry is then field f, with no hash lookup. Any other
+                    # key is looked up.
+                    if not (PyDict_Next(batch, &at, &entry, &item) and entry == <PyObject*>name):
+                        item = PyDict_GetItemWithError(batch, name)
+                        if item == NULL:
+                            raise KeyError(f"batch is missing field {name!r}")
                     a = <object>item
                 else:
                     if name not in batch:
@@ -727,7 +733,9 @@ cdef class ReplayBuffer:
             if n:
                 keep = n if n < cap else cap  # of a longer batch only the last `cap` rows survive
                 skip = n - keep
-                start = (self._pos + skip) % cap
+                start = self._pos + skip
+                if start >= cap:  # skip > 0 only for a batch longer than the buffer: no division otherwise
+                    start %= cap
                 first = keep if keep < cap - start else cap - start
                 second = keep - first
                 if n >= _NOGIL_MIN:
