@@ -252,7 +252,7 @@ def test_is_weight_truncated_at_cap(model_dir):
     assert m2["is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
 
 
-@pytest.mark.parametrize("correction", ["decoupled", "none"])
+@pytest.mark.parametrize("correction", ["decoupled", "bypass"])
 def test_behaviour_kl_is_zero_on_policy_and_the_k3_of_a_known_shift(model_dir, correction):
     b = TorchTrainBackend(model_dir, LearnSpec(correction=correction, minibatches=1), threads=THREADS)
     assert asyncio.run(b.train_step(Batch(_onpolicy_groups(b, model_dir)), 0))["behaviour_kl"] == pytest.approx(0.0, abs=1e-5)
@@ -266,9 +266,9 @@ def test_behaviour_kl_is_zero_on_policy_and_the_k3_of_a_known_shift(model_dir, c
     assert m["behaviour_kl"] == pytest.approx(np.exp(-0.5) - 1.0 + 0.5, rel=1e-3)
 
 
-def test_masked_drops_tokens_far_off_policy_and_keeps_the_rest(model_dir):
+def test_icepop_drops_tokens_far_off_policy_and_keeps_the_rest(model_dir):
     cap = 1.5
-    b = TorchTrainBackend(model_dir, LearnSpec(is_cap=cap, correction="masked", minibatches=1), threads=THREADS)
+    b = TorchTrainBackend(model_dir, LearnSpec(is_cap=cap, correction="icepop", minibatches=1), threads=THREADS)
     gs = _onpolicy_groups(b, model_dir)
     on = _flat(b.gradient(Batch(gs)))
     # The first group's behaviour log-probs far below the trainer's: its tokens leave [1/cap, cap].
@@ -308,7 +308,7 @@ def test_second_moment_mask_drops_the_fewest_outliers_that_bring_the_mean_under_
             assert float(torch.cat([sq, dropped.min().reshape(1)]).mean()) > 0.04
 
 
-@pytest.mark.parametrize("correction", ["decoupled", "masked", "none", "m2po"])
+@pytest.mark.parametrize("correction", ["bypass", "decoupled", "icepop", "seq_tis", "seq_mis", "m2po"])
 def test_every_correction_is_the_policy_gradient_on_policy(model_dir, correction):
     # On policy every weight is 1 and no ratio is clipped: each correction's gradient is TIS's.
     b = TorchTrainBackend(model_dir, LearnSpec(correction="decoupled", minibatches=1), threads=THREADS)

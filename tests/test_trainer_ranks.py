@@ -33,7 +33,7 @@ WEIGHT_ATOL = 2e-5
 
 # (correction, minibatches): with 4 groups, 2 minibatches give each rank one group of each; 4
 # give each minibatch one group, so one rank holds nothing of it and still takes part.
-CASES = [("none", 2), ("tis", 2), ("decoupled", 2), ("masked", 2), ("m2po", 2), ("m2po", 4), ("decoupled", 4)]
+CASES = [("bypass", 2), ("tis", 2), ("decoupled", 2), ("icepop", 2), ("seq_tis", 2), ("seq_mis", 2), ("m2po", 2), ("m2po", 4), ("decoupled", 4)]
 # learn.sharding: fsdp2, (correction, minibatches, param_dtype): every rank holds a group of each
 # minibatch (a sharded forward needs every rank). In float32 the two shards' gradients are
 # reduce-scattered where one rank sums once: the same float rounding as the replicas', so the

@@ -9,29 +9,9 @@ sample i in group g:
                                                              behaviour log-probs are the same quantity
     PPO(r)   = min(r A_i, clip(r, 1-eps, 1+eps) A_i)
 
-and ``learn.correction`` picks the loss:
-
-    none       loss_t = -PPO(pi_theta / pi_behaviour)         staleness ignored: the behaviour
-                                                              policy is taken as the old policy
-    tis        loss_t = -w_t * A_i * log pi_theta(t)          w_t = min(pi_theta / pi_behaviour, is_cap)
-    decoupled  loss_t = -w_t * PPO(pi_theta / pi_prox)        w_t = min(pi_prox / pi_behaviour, is_cap)
-    masked     loss_t = -m_t * w_t * PPO(pi_theta / pi_prox)  w_t = pi_prox / pi_behaviour,
-                                                              m_t = [1/is_cap <= w_t <= is_cap]
-    m2po       loss_t = -m_t * (pi_theta / pi_prox) * A_i     m_t: 0 on the tokens of largest
-                                                              (log w_t)^2, as few as keep the mean
-                                                              of the rest <= m2_threshold
-
-``w`` is always detached. pi_behaviour is per token: the log-prob the engine recorded when it
-sampled the token, under the weights of that token's version, so a response whose tokens span
-versions (partial, inflight) is corrected token by token. In the decoupled forms (AReaL's
-decoupled PPO) pi_prox comes from one no-grad forward with the weights at the start of the
-step: the trust region is measured against it, while the off-policy correction to the
-behaviour policy is the weight. ``masked`` drops the tokens whose weight is far off instead of
-truncating it (masked importance sampling, as in IcePop), so a token sampled by a policy far
-from the current one adds no gradient at all. ``m2po`` (Zheng et al. 2025, "Prosperity before
-collapse") replaces the clip by a trust region on the second moment of the log weights: only
-the outliers that push it over the threshold are dropped. The loss is the mean over the response tokens of
-the minibatch; prompt tokens are context only.
+and ``learn.correction`` picks the off-policy correction of the loss: bypass, tis, decoupled,
+icepop, seq_tis, seq_mis or m2po, each written out with its source in core/real/corrections.py.
+The loss is the mean over the response tokens of the minibatch; prompt tokens are context only.
 
 Each step also reports ``behaviour_kl``, KL(behaviour || policy) per token: how far the weights
 moved between sampling and training. On the tiny task it, not the version count, is what
@@ -54,6 +34,7 @@ import torch
 from core.model.config import LearnSpec
 from core.api import Batch, TrainBackend
 from core.model.sample import Sample
+from core.real.corrections import RECOMPUTES_PROX, STATS, correction_loss
 from core.real.device import CPU, is_accelerator, mesh, synchronize
 from core.real.hf_model import load_model
 from core.real.rank_group import RankGroup, token_balanced_cuts
@@ -469,56 +450,12 @@ class TorchTrainBackend(TrainBackend):
     ) -> tuple[torch.Tensor, dict]:
         """The loss of ``batch``, summed over its response tokens over ``ntok`` (the whole
         minibatch's response tokens, every rank's; None: this batch's own), and its stats as sums."""
-        lp = self._logprobs(batch)
-        m = batch.mask
-        ntok = (m.sum() if ntok is None else ntok).clamp(min=1.0)
-        cap = self.learn.is_cap
-        eps = self.learn.clip_eps
-        clipped = torch.zeros_like(m)
-        # log(pi / pi_behaviour) per token, pi the step's proximal policy where the correction
-        # recomputes it, else the weights this minibatch is trained with.
-        log_r = ((lp.detach() if prox is None else prox) - batch.beh) * m
-        # How far the weights have moved since the token was sampled: KL(behaviour || policy), k3
-        # estimator (r - 1 - log r >= 0), in float64 through expm1 because at 1e-5 apart the float32
-        # form is rounding noise.
-        d = log_r.double()
-        drift = (torch.expm1(d) - d).clamp(min=0.0) * m
-        if correction == "tis":
-            log_w = log_r
-            w = torch.exp(log_w).clamp(max=cap)
-            per_tok = -w * batch.adv * lp
-            kept = m
-        elif correction == "m2po":
-            log_w = log_r
-            kept = second_moment_mask(log_w, m, self.learn.m2_threshold, self.ranks)
-            w = kept
-            per_tok = -kept * torch.exp((lp - prox) * m) * batch.adv
-        else:
-            # The ratio's reference: the behaviour policy itself (none), or the proximal one.
-            ref = batch.beh if correction == "none" else prox
-            log_w = torch.zeros_like(m) if correction == "none" else log_r
-            if correction == "masked":
-                raw = torch.exp(log_w)
-                kept = ((raw <= cap) & (raw >= 1.0 / cap)).float() * m
-                w = raw * kept
-            else:
-                w = torch.exp(log_w).clamp(max=cap)
-                kept = m
-            ratio = torch.exp((lp - ref) * m)
-            s1 = ratio * batch.adv
-            s2 = ratio.clamp(1.0 - eps, 1.0 + eps) * batch.adv
-            per_tok = -w * torch.minimum(s1, s2)
-            clipped = (s2 < s1).float()
-        loss = (per_tok * batch.weight * m).sum() / ntok
-        stats = {
-            "is_weight_sum": float((w * m).sum()),
-            "is_truncated": float(((torch.exp(log_w) > cap).float() * m).sum()),
-            "masked": float((m - kept).sum()),
-            "clipped": float((clipped * m).sum()),
-            "ntok": float(m.sum()),
-            "drift": float(drift.sum()),
-        }
-        return loss, stats
+        ranks = self.ranks
+        return correction_loss(
+            correction, self._logprobs(batch), prox, batch.beh, batch.adv, batch.mask, batch.weight,
+            is_cap=self.learn.is_cap, clip_eps=self.learn.clip_eps, ntok=ntok,
+            second_moment=lambda log_w, m: second_moment_mask(log_w, m, self.learn.m2_threshold, ranks),
+        )
 
     def _minibatches(self, batch: Batch) -> list[Batch]:
         n = len(batch)
@@ -540,7 +477,7 @@ class TorchTrainBackend(TrainBackend):
         with self._lock:
             batch = self._batch(batch)
             prox = None
-            if correction in ("decoupled", "masked", "m2po"):
+            if correction in RECOMPUTES_PROX:
                 with torch.no_grad():
                     prox = self._logprobs(batch)
             self.model.zero_grad(set_to_none=True)
@@ -558,7 +495,7 @@ class TorchTrainBackend(TrainBackend):
         learned = self.learn_part(self.shards(step_batch)[self.ranks.rank])
         return self.summary(step_batch, version, learned, time.perf_counter() - t0)
 
-    _STATS = ("is_weight_sum", "is_truncated", "masked", "clipped", "ntok", "drift")
+    _STATS = STATS
 
     def learn_part(self, parts: list[Batch]) -> dict:
         """This rank's part of one step: per minibatch, its slice of groups (``shards``). Every
