@@ -227,6 +227,23 @@ def honesty_lines(summary: dict) -> list[str]:
     return out
 
 
+def correction_lines(sc) -> list[str]:
+    """One warning when a real run trains stale samples with no importance correction
+    (``learn.correction: bypass``): PPO's clip, taken against the behaviour policy, is then all
+    that bounds a step on samples from older weights, and users report collapse without a
+    correction. The sim trains no loss: nothing to say there."""
+    if sc.runtime == "sim" or sc.learn.correction != "bypass" or sc.staleness.max_staleness == 0:
+        return []
+    stale = [m for m in sc.modes if m != "sync"]
+    if not stale:
+        return []
+    return [
+        f"warning: {', '.join(stale)} train samples up to {sc.staleness.max_staleness} version(s) old with "
+        "learn.correction: bypass, no importance weight: PPO's clip alone bounds their step; fix: pick a "
+        "correction (decoupled, icepop, seq_tis, seq_mis, tis, m2po; docs/real-runtimes.md)"
+    ]
+
+
 def agent_lines(summary: dict) -> list[str]:
     """For agent episodes: per mode, the share of GPU time that engines stood idle while a tool
     ran for one of their episodes, and what the episodes were (turns, calls, seconds a call,

@@ -326,6 +326,13 @@ def learning_stability(step_info: list[dict]) -> dict:
     kl = [float(i["behaviour_kl"]) for i in step_info if "behaviour_kl" in i]
     if kl:
         m["learn/behaviour_kl"] = math.fsum(kl) / len(kl)
+    # What the off-policy correction did to the trained tokens, over the run: the share whose
+    # importance weight it truncated, that it masked out (weight 0), and that PPO's clip held.
+    ntok = [(i, float(i["response_tokens"])) for i in step_info if "clip_frac" in i and i.get("response_tokens")]
+    total = math.fsum(n for _, n in ntok)
+    if total > 0:
+        for key, frac in (("truncated", "is_truncated_frac"), ("masked", "masked_frac"), ("clipped", "clip_frac")):
+            m[f"learn/{key}_share"] = math.fsum(float(i[frac]) * n for i, n in ntok) / total
     lens = [x for x in map(step_response_len, step_info) if x is not None]
     late = lens[len(lens) // 2:]
     if len(late) >= 2 and np.mean(late) > 0:

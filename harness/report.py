@@ -89,6 +89,9 @@ SUMMARY_KEYS = (
     "learn/reward_second_half",
     "learn/version_reward_second_half",
     "learn/behaviour_kl",
+    "learn/truncated_share",
+    "learn/masked_share",
+    "learn/clipped_share",
     "learn/length_swing",
 )
 # What a run over several seeds reports per seed, with mean and spread.

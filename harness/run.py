@@ -45,7 +45,8 @@ from core.model.config import ConfigError, clipped, with_changes
 from core.model.env_config import EnvScenario
 from harness import report
 from harness.console import (
-    ModeProgress, agent_lines, comparison_table, faults_table, honesty_lines, implied_mfu_lines, published_table, seeds_table, target_table,
+    ModeProgress, agent_lines, comparison_table, correction_lines, faults_table, honesty_lines, implied_mfu_lines, published_table,
+    seeds_table, target_table,
 )
 from harness.gpu_sampler import NvmlSampler
 from harness.live_metrics import METRICS_FILE, MetricsFileError, MetricsStream, check_loggers, read_history
@@ -149,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
             check_loggers(v.scenario.report.loggers)
         first = variants[0].scenario
         env_kind = isinstance(first, EnvScenario)
+        if not env_kind:
+            for line in dict.fromkeys(line for v in variants for line in correction_lines(v.scenario)):
+                err.print(f"[yellow]{escape(line)}[/]", highlight=False, soft_wrap=True)
         # Written where it stays, to be resumed: a run with checkpoints.
         resumable = args.resume is not None or (bool(first.checkpoint.every) if env_kind else _resumable_run(first, args))
         if args.resume is None:
