@@ -65,18 +65,26 @@ def _child(impl: str) -> dict:
     return {"impl": impl, "ctor_s": t1 - t0, "fill_s": t2 - t1, "rows": rows, "rows_per_s": rows / (t2 - t1)}
 
 
+def alternating(script: str, kinds: tuple[str, str], processes: int, args: tuple[str, ...] = ()) -> dict[str, list[dict]]:
+    """``processes`` fresh processes of ``script --child KIND *args`` per kind, each printing one
+    JSON object; the objects by kind, in the order they ran."""
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    runs: dict[str, list[dict]] = {kind: [] for kind in kinds}
+    a, b = kinds
+    for k in range(processes):
+        # whoever goes first after a process frees its memory may find pages the host took
+        # back: the order alternates, so neither kind is always first
+        for kind in ((a, b) if k % 2 == 0 else (b, a)):
+            out = subprocess.run([sys.executable, script, "--child", kind, *args], env=env, check=True,
+                                 capture_output=True, text=True).stdout
+            runs[kind].append(json.loads(out))
+    return runs
+
+
 def run(processes: int = 6) -> dict:
     """``processes`` fresh processes per implementation, alternating; their figures and a
     summary per implementation."""
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
-    runs: dict[str, list[dict]] = {"ext": [], "cpprb": []}
-    for k in range(processes):
-        # whoever goes first after a process frees its memory may find pages the host took
-        # back: the order alternates, so neither implementation is always first
-        for impl in (("ext", "cpprb") if k % 2 == 0 else ("cpprb", "ext")):
-            out = subprocess.run([sys.executable, __file__, "--child", impl], env=env, check=True,
-                                 capture_output=True, text=True).stdout
-            runs[impl].append(json.loads(out))
+    runs = alternating(__file__, ("ext", "cpprb"), processes)
     summary = {}
     for impl, rs in runs.items():
         rates = [r["rows_per_s"] for r in rs]

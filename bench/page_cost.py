@@ -20,9 +20,10 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import subprocess
 import sys
 import time
+
+from first_fill import alternating  # bench/ is the script's directory
 
 MADV_NOHUGEPAGE, MADV_POPULATE_WRITE = 15, 23
 
@@ -61,12 +62,7 @@ def main(argv: list[str]) -> int:
     if a.child:
         print(json.dumps(_child(a.child, a.mib)))
         return 0
-    runs: dict[str, list[dict]] = {"huge": [], "small": []}
-    for k in range(a.processes):
-        for kind in ("huge", "small") if k % 2 == 0 else ("small", "huge"):
-            out = subprocess.run([sys.executable, __file__, "--child", kind, "--mib", str(a.mib)],
-                                 check=True, capture_output=True, text=True).stdout
-            runs[kind].append(json.loads(out))
+    runs = alternating(__file__, ("huge", "small"), a.processes, ("--mib", str(a.mib)))
     print("| pages | pay for them, s (each process) | write them, ms (each process) |")
     print("|---|---|---|")
     for kind, rs in runs.items():
