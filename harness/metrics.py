@@ -129,6 +129,8 @@ def collect(
         "staleness/mean": led.staleness_sum / trainings if trainings else 0.0,
         # Per token the policy sampled: an agent episode's observation tokens have no staleness.
         "staleness/token_mean": led.token_staleness_sum / sampled if (sampled := led.response_tokens - led.observation_tokens) else 0.0,
+        # Of those, the share sampled by an older policy than the one trained (off-policy).
+        "staleness/offpolicy_token_share": led.offpolicy_tokens / sampled if sampled else 0.0,
         "staleness/max": led.staleness_max,
         "staleness/bound": led.max_staleness,
         "partial/ratio": led.interrupted / trained if trained else 0.0,

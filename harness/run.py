@@ -36,6 +36,7 @@ from core.real.workers import apply_env
 from core.runtimes.dispatch import run_mode
 from core.api import RunStopped
 from core.model.faults import RestartsExhausted
+from core.pipeline.group_filter import FilterStarved
 from core.model.user_code import UserCodeError
 from core.runtimes.ray_start import cluster
 from core.runtimes.ray_checkpoint import load_ray_run
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         where.release()
         console.print(f"{exc}; its checkpoints are in {out}. Go on with: python -m harness.run --resume {out}", highlight=False)
         return 0
-    except (RestartsExhausted, UserCodeError) as exc:
+    except (RestartsExhausted, UserCodeError, FilterStarved) as exc:
         # Settings a run proved unworkable (calls that always time out), or the user's code that
         # failed while it ran (its reward function): one line, not a traceback.
         kept = where.abandon(keep=resumable)

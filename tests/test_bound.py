@@ -25,7 +25,13 @@ def workloads(draw):
             "reuse": draw(st.floats(1.0, 4.0)),
             "prioritized": draw(st.booleans()),
         }
+    extra = {}
+    if draw(st.integers(0, 3)) == 0:  # dynamic sampling: filtered groups' generation is left out of the bound
+        extra["filter"] = {"min_pass_rate": draw(st.floats(0.2, 1.0))}
+    over = draw(st.one_of(st.just(1.0), st.floats(1.0, 2.0)))
     return Scenario.model_validate({
+        **extra,
+        "rollout": {"overprovision": over},
         "seed": draw(st.integers(0, 1000)),
         "resources": {"rollout_gpus": draw(st.integers(1, 6)), "trainer_gpus": draw(st.integers(1, 6))},
         "workload": {

@@ -306,6 +306,13 @@ class WorkloadSpec(_Frozen):
     (e.g. a real run's, written by harness.calibrate), a {length: count} histogram or
     {edges, counts}; relative to the working directory. Drawn through the same normal per
     response as the lognormal, so prompt_share still correlates a group. None: the lognormal."""
+    pass_rate_alpha: float = Field(1.0, gt=0, le=1000)
+    """Each prompt's pass rate (the chance that one response earns reward 1) is Beta(alpha,
+    beta); 1 and 1 make it uniform. Read by the sim alone: its modelled 0/1 rewards, which a
+    filter judges and a prioritized replay ranks. A lower alpha models a harder prompt set
+    (more all-wrong groups), a lower beta an easier one (more all-right groups)."""
+    pass_rate_beta: float = Field(1.0, gt=0, le=1000)
+    """The beta of each prompt's Beta(alpha, beta) pass rate (see pass_rate_alpha)."""
 
     @model_validator(mode="after")
     def _lengths_file(self) -> "WorkloadSpec":
@@ -340,6 +347,52 @@ class RolloutSpec(_Frozen):
     allreduce_latency_s: float = Field(1e-5, ge=0)
     """Fixed cost of one tensor-parallel all-reduce, two per layer per decode step when
     resources.gpus_per_engine > 1 (assumed: ~10 us, a small NCCL or vLLM custom all-reduce on NVLink)."""
+    overprovision: float = Field(1.0, ge=1, le=4)
+    """Samples in flight beyond what the staleness budget admits, as a factor of one sync
+    window (APRIL, arXiv 2509.18521): 1.25 admits a quarter window more. Once every sample the
+    budget admits at this version is done, what still generates is cut: resumed after the next
+    sync in partial and inflight mode (holding tokens of an older policy), dropped in sync and
+    async mode (``samples/dropped_overprovision_cut``). 1: off."""
+
+
+class FilterSpec(_Frozen):
+    """Dynamic sampling (DAPO, arXiv 2503.14476): a scored group that carries no learning signal
+    is dropped (``samples/dropped_filter_<reason>``), and rollout samples on until every trainer
+    batch is full. Read by the Rollouter on every runtime; the sim scores groups with the
+    workload's modelled 0/1 rewards (``workload.pass_rate_alpha``)."""
+
+    zero_variance: bool = True
+    """Drop a group whose rewards are all equal: every GRPO advantage in it is 0 (reason ``no_variance``)."""
+    min_reward_std: float = Field(0.0, ge=0)
+    """Drop a group whose rewards' standard deviation is not above this (reason
+    ``low_variance``): with a graded reward, responses that differ by a hair get advantages
+    of full size once divided by their tiny std, which is noise. 0: off."""
+    min_mean_reward: Optional[float] = None
+    """Drop a group whose mean reward is below this: too hard to learn from yet (reason
+    ``below_band``). None: no floor."""
+    max_mean_reward: Optional[float] = None
+    """Drop a group whose mean reward is above this: already solved (reason ``above_band``). None: no ceiling."""
+    min_pass_rate: float = Field(0.25, gt=0, le=1)
+    """The lowest share of samples admission expects the filter to pass. Apart from sync mode,
+    admission counts a group not yet scored at the pass rate measured so far, never below this,
+    so that enough generates to fill batches; at most 1 / min_pass_rate times what the
+    staleness budget counts is in flight. Survivors beyond the budget are evicted as stale,
+    never trained. 1: count every unscored group whole (no over-sampling ahead of scores)."""
+    starve_batches: int = Field(20, ge=1, le=MAX_STEPS)
+    """The run fails with one error line once the filter has dropped this many trainer
+    batches' worth of groups in a row and passed none (DAPO's max_num_gen_batches): a policy
+    that earns no reward at all, or a band no group falls in, would otherwise sample forever."""
+
+    @model_validator(mode="after")
+    def _filters_something(self) -> "FilterSpec":
+        lo, hi = self.min_mean_reward, self.max_mean_reward
+        if not self.zero_variance and lo is None and hi is None and not self.min_reward_std:
+            raise ConfigError("filter.zero_variance", False, "with no reward band or min_reward_std the filter drops nothing",
+                              "set zero_variance: true, min_reward_std, or a band (min_mean_reward / max_mean_reward), or remove filter")
+        if lo is not None and hi is not None and lo >= hi:
+            raise ConfigError("filter.min_mean_reward", lo, f"is not below filter.max_mean_reward = {hi}: every group is dropped",
+                              f"use a floor below {hi}")
+        return self
 
 
 class TrainerSpec(_Frozen):
@@ -990,6 +1043,8 @@ class Scenario(_Frozen):
     """The staleness budget."""
     replay: ReplaySpec = ReplaySpec()
     """The optional replay stage between queue and trainer."""
+    filter: Optional[FilterSpec] = None
+    """Dynamic sampling: drop scored groups without learning signal, sample on to fill batches. None: off."""
     # What only the sim runtime reads: the cost model.
     model: ModelSpec = ModelSpec()
     """The policy model."""
@@ -1094,6 +1149,9 @@ class Scenario(_Frozen):
         self._check_faults()
         self._check_kv_fits()
         self._check_agent()
+        if self.filter is not None and self.filter.zero_variance and n == 1:
+            raise ConfigError("filter.zero_variance", True, "a group of one response never has reward variance: every group would be dropped",
+                              "raise workload.group_size, or set filter.zero_variance: false and use a reward band")
         return self
 
     @property

@@ -16,7 +16,7 @@ OVERWRITTEN = "replay_overwritten"  # the drop reason of a group a replay ring o
 
 
 # Counts a checkpoint written before them does not hold: restored as zero.
-ADDED_SINCE = frozenset({"observation_tokens"})
+ADDED_SINCE = frozenset({"observation_tokens", "offpolicy_tokens"})
 
 
 class LedgerError(RuntimeError):
@@ -49,6 +49,7 @@ class Ledger:
         self.staleness_sum = 0
         self.staleness_max = 0
         self.token_staleness_sum = 0
+        self.offpolicy_tokens = 0  # sampled tokens trained under a newer version than sampled them
         self.response_tokens = 0
         # Of those, what tools or environments wrote into agent episodes: context, not trained.
         self.observation_tokens = 0
@@ -114,7 +115,7 @@ class Ledger:
             # One pass over the samples with the sums in locals: this runs for every sample a
             # simulation trains. Integer sums do not depend on their order; the float reward
             # sum is added in the same order as ever.
-            response = prompt = sq = token_stale = observed = 0
+            response = prompt = sq = token_stale = observed = offpolicy = 0
             reward_sum, rewarded = self.reward_sum, self.rewarded
             for s in g.samples:
                 if not s.finished:
@@ -129,12 +130,15 @@ class Ledger:
                 if s.observations:  # staleness is the policy's tokens', not a tool's
                     observed += s.observed
                 for v, k in s.sampled_spans() if s.observations else s.version_spans:
-                    token_stale += (version - v) * k
+                    if v < version:
+                        token_stale += (version - v) * k
+                        offpolicy += k
             self.response_tokens += response
             self.observation_tokens += observed
             self.prompt_tokens += prompt
             self.tokens_sq += sq
             self.token_staleness_sum += token_stale
+            self.offpolicy_tokens += offpolicy
             self.reward_sum, self.rewarded = reward_sum, rewarded
             if again:
                 continue
@@ -182,7 +186,7 @@ class Ledger:
     # The trainer's side of the ledger: what a trainer restored from a checkpoint goes back to.
     TRAINED_FIELDS = (
         "trained", "trainings", "_trained_mask", "trained_log", "group_sizes", "e2e_s", "staleness_sum",
-        "staleness_max", "token_staleness_sum", "response_tokens", "observation_tokens", "prompt_tokens", "tokens_sq", "reward_sum", "rewarded",
+        "staleness_max", "token_staleness_sum", "offpolicy_tokens", "response_tokens", "observation_tokens", "prompt_tokens", "tokens_sq", "reward_sum", "rewarded",
         "interrupted", "interrupts", "resumes", "max_response", "step_ends",
     )
 

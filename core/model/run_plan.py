@@ -45,15 +45,30 @@ class RunPlan:
     queue_capacity: int  # groups
     trained_bound: int  # the staleness no trained sample exceeds: the queue's, plus a replay ring's
     pause: str  # what a sync does to generations in flight (core.api.PauseMode)
+    # What admission lets run beyond the staleness budget. ``pass_floor``: a filter's
+    # min_pass_rate where admission counts unscored groups at the expected pass rate (never in
+    # colocated sync, whose GPUs train while rollout waits), else 1. ``surplus``: samples
+    # over-provisioned (rollout.overprovision), whole groups.
+    pass_floor: float = 1.0
+    surplus: int = 0
 
     @classmethod
     def of(cls, sc: Scenario, mode: str) -> "RunPlan":
         max_staleness, lead = effective_staleness(sc, mode)
+        placement = Placement.of(sc, mode)
+        n = sc.workload.group_size
+        f = sc.filter
+        pass_floor = f.min_pass_rate if f is not None and not placement.colocated else 1.0
+        surplus = math.ceil((sc.rollout.overprovision - 1.0) * sc.window / n - 1e-9) * n
         # Admission keeps admitted-but-untrained samples under (max_staleness + 2) windows, so
-        # a queue this large never blocks a producer while the trainer waits on a sync drain.
-        capacity = (max_staleness + 2) * sc.window // sc.workload.group_size + sc.warm_up_groups + 1
+        # a queue this large never blocks a producer while the trainer waits on a sync drain;
+        # what admission lets run beyond the budget may all finish, and fits too.
+        if pass_floor < 1.0 or surplus:
+            capacity = math.ceil(((max_staleness + 2) * sc.window / pass_floor + surplus) / n) + sc.warm_up_groups + 1
+        else:
+            capacity = (max_staleness + 2) * sc.window // n + sc.warm_up_groups + 1
         rp = sc.replay
         bound = max_staleness
         if rp.enabled:
             bound = staleness_bound(max_staleness, rp.capacity_groups, sc.fresh_groups_per_step, sc.trainer.sync_every)
-        return cls(sc, mode, Placement.of(sc, mode), max_staleness, lead, capacity, bound, PAUSE[mode])
+        return cls(sc, mode, placement, max_staleness, lead, capacity, bound, PAUSE[mode], pass_floor, surplus)

@@ -20,6 +20,7 @@ from core.model.faults import CollectiveBroken, FaultLog, RestartsExhausted, Wor
 from core.model.ledger import Ledger
 from core.model.reward_fn import reward_failed
 from core.model.sample import Group, Sample
+from core.pipeline.group_filter import GroupFilter
 from core.pipeline.staleness_queue import AsyncStalenessQueue
 from core.pipeline.supervised_engine import SupervisedEngine
 
@@ -33,6 +34,12 @@ class Rollouter:
     n <= min(max_concurrency - running, floor((version + 1 + lead) * window) - admitted),
     where ``admitted`` counts samples admitted and not dropped. The trainer consumes
     ``window`` samples per version, so rollout never runs more than ``lead`` windows ahead.
+
+    With a ``group_filter`` and ``pass_floor`` < 1, a group not yet scored counts at the pass
+    rate measured so far (at least ``pass_floor``): the budget holds in expected survivors.
+    ``surplus`` samples may run beyond the budget (over-provisioning); once every sample the
+    budget admits at this version is done, the rest are cut: resumed after the next version
+    bump (``resume_surplus``) or dropped.
     """
 
     def __init__(
@@ -56,8 +63,10 @@ class Rollouter:
         stop_timeout_s: Optional[float] = None,
         catch_up: Optional[Callable[[int], Awaitable[Any]]] = None,
         agent: Optional[AgentLoop] = None,
+        group_filter: Optional[GroupFilter] = None, pass_floor: float = 1.0, surplus: int = 0, resume_surplus: bool = False,
     ) -> None:
         self.engines = engines
+        self._beyond_budget(group_filter, pass_floor, surplus, resume_surplus)
         self.agent = agent  # episodes of many turns; None: one completion per sample
         self.queue = queue
         self.ledger = ledger
@@ -69,10 +78,8 @@ class Rollouter:
         self.lead = lead
         self.max_staleness = max_staleness
         self.plan_samples = plan_samples
-        # Samples the trainer takes once, beyond its windows (a replay ring filling up).
-        self.head_start = head_start
-        # Real engines need prompt tokens and finished groups a reward; the sim engine neither.
-        self.prompts = prompts
+        self.head_start = head_start  # samples the trainer takes once, beyond its windows (a replay ring filling)
+        self.prompts = prompts  # real engines need prompt tokens and finished groups a reward; the sim neither
         self.reward = reward
         self.version = 0
         self.running = 0  # samples being generated
@@ -90,9 +97,9 @@ class Rollouter:
         # only be taken together with every other engine, never by one alone.
         self._rejoining: set[int] = set()
         self._restarted = False  # a worker restarted since the last collective sync it took part in: a new group for all
-        # ``catch_up(version)``: a copy of the trainer's weights that one engine loads alone (the
-        # object-store fallback of a collective transfer), or None: it rejoins at the next sync.
-        # Without it a lone engine killed would wait for a sync that its batches must make happen.
+        # ``catch_up(version)``: a copy of the trainer's weights one engine loads alone (the object-store
+        # fallback of a collective transfer), or None: it rejoins at the next sync. Without it a
+        # lone engine killed would wait for a sync that its batches must make happen.
         self.catch_up = catch_up
         self._recovering: dict[int, asyncio.Task] = {}
         self._failure: Optional[BaseException] = None
@@ -116,13 +123,37 @@ class Rollouter:
         self._stopped = False
         self._wake = asyncio.Event()
 
+    def _beyond_budget(self, group_filter: Optional[GroupFilter], pass_floor: float, surplus: int, resume_surplus: bool) -> None:
+        """What admission runs past the staleness budget: groups a filter is expected to drop, and
+        an over-provisioned surplus (see the class's docstring)."""
+        self.filter = group_filter
+        self._expect_pass = group_filter is not None and pass_floor < 1.0
+        self.surplus = surplus
+        self._drop_cut = surplus > 0 and not resume_surplus
+        self._cutting = False
+        self._cut_task: Optional[asyncio.Task] = None
+        self._scoring = 0  # samples of finished groups being scored
+
     # -- admission ----------------------------------------------------------------------------
+    def _limit(self) -> int:
+        """Samples the staleness budget lets be admitted and not dropped at this version."""
+        return min(math.floor((self.version + 1 + self.lead) * self.window + 1e-9) + self.head_start, self.plan_samples)
+
     def budget(self) -> int:
-        """Samples the staleness budget still admits at the current version."""
-        limit = math.floor((self.version + 1 + self.lead) * self.window + 1e-9) + self.head_start
-        return min(limit, self.plan_samples) - self.admitted
+        """Samples the staleness budget (and over-provisioning) still admits at the current version."""
+        held = self.admitted
+        if self._expect_pass:
+            held -= int(self.in_flight() * (1.0 - self.filter.pass_rate()))
+        return min(self._limit() + self.surplus, self.plan_samples) - held
+
+    def _window_done(self) -> bool:
+        """Every sample the budget admits at this version is generated, scored and kept:
+        whatever still generates is over-provisioned surplus."""
+        return self.admitted - self.in_flight() - self._scoring >= self._limit()
 
     def _next_group(self) -> Optional[Group]:
+        if self.surplus and (self._cutting or self._window_done()):
+            return None  # nothing more runs at this version: the surplus waits for the next
         while self.retry_queue:
             g = self.retry_queue[0]
             if not any(s.n_response for s in g.samples):
@@ -261,34 +292,74 @@ class Rollouter:
             self._holding -= group.size
             self._wake.set()
         if completed:
-            if self.reward is not None:
-                try:
-                    rewards = await self.reward.score(group)
-                except WorkerLost as exc:
-                    # The scorer failed or hung: the finished group is scored again (an
-                    # engine returns a finished group at once), never dropped.
-                    log.warning("%s; the group is scored again", exc)
-                    self.retry_queue.append(group)
-                    self.ledger.requeue(group)
-                    self._wake.set()
-                    return
-                for s, value in zip(group.samples, rewards):
-                    s.reward = value
-                if any(reward_failed(r) for r in rewards):  # reward.on_error: skip
-                    self._drop([group], "reward_error")
-                    return
+            if self.reward is not None and not await self._scored(group):
+                return
             group.finished_at = asyncio.get_running_loop().time()
             if self.agent is not None:
                 self.agent.forget((group,))
             if not await self.queue.put(group, group.version):
                 self._drop([group], "stale_on_arrival")
+            elif self.surplus:
+                self._cut_if_done()
         else:
             group.aborts += 1
             for s in group.samples:
                 if not s.finished:
                     s.interrupts += 1
+            if self._drop_cut and not self._stopped:
+                self._drop([group], "overprovision_cut")  # sync and async never resume a cut group
+                return
             self._holders[group.prompt_id] = (i, self._lives[i])
             self.cancel_queue.append(group)
+
+    async def _scored(self, group: Group) -> bool:
+        """Score a finished group; False if it is not to be queued (dropped, or to be scored again)."""
+        self._scoring += group.size
+        try:
+            rewards = await self.reward.score(group)
+        except WorkerLost as exc:
+            # The scorer failed or hung: the finished group is scored again (an
+            # engine returns a finished group at once), never dropped.
+            log.warning("%s; the group is scored again", exc)
+            self.retry_queue.append(group)
+            self.ledger.requeue(group)
+            self._wake.set()
+            return False
+        finally:
+            self._scoring -= group.size
+        for s, value in zip(group.samples, rewards):
+            s.reward = value
+        if any(reward_failed(r) for r in rewards):  # reward.on_error: skip
+            self._drop([group], "reward_error")
+            return False
+        reason = self.filter.verdict(rewards) if self.filter is not None else None
+        if reason is not None:
+            self._drop([group], reason)
+            return False
+        return True
+
+    # -- over-provisioning --------------------------------------------------------------------
+    def _cut_if_done(self) -> None:
+        if self._cutting or self._paused or not self.running or not self._window_done():
+            return
+        self._cutting = True
+        self._cut_task = asyncio.create_task(self._cut_surplus(), name="cut-surplus")
+        self._cut_task.add_done_callback(self._generation_ended)  # an error in it fails the run
+
+    async def _cut_surplus(self) -> None:
+        """The budget's samples are done: abort what still generates (the cancel queue keeps
+        it for the next version, or it is dropped). Nothing is admitted until it has ended."""
+        try:
+            generating = list(self._active)
+            self._cut.set()  # agent episodes stop at their next turn boundary
+            await self._each_up("abort_all")
+            if generating:
+                await asyncio.wait(generating)
+        finally:
+            if not self._paused:
+                self._cut.clear()
+            self._cutting = False
+            self._wake.set()
 
     # -- lost workers -------------------------------------------------------------------------
     def worker_lost(self, i: int, exc: BaseException) -> None:
@@ -455,6 +526,8 @@ class Rollouter:
                 await asyncio.wait_for(self.agent.settle(), self.stop_timeout_s)
             except asyncio.TimeoutError:
                 log.warning("tool calls still running after %.0f s at the run's end: a resumed run makes them again", self.stop_timeout_s)
+        if self._cut_task is not None:
+            await asyncio.gather(self._cut_task, return_exceptions=True)
         for task in list(self._recovering.values()):
             task.cancel()
         await asyncio.gather(*self._recovering.values(), return_exceptions=True)
@@ -481,6 +554,7 @@ class Rollouter:
             "holders": [[pid, i] for pid, (i, _) in self._holders.items()],
             "sticky_resumes": list(self.sticky_resumes), "moved_resumes": list(self.moved_resumes),
             "agent": self.agent.state() if self.agent is not None else {},
+            "filter": self.filter.state() if self.filter is not None else {},
         }
 
     def restore(self, state: dict, interrupted: list[Group], retry: list[Group], paused: bool) -> None:
@@ -494,6 +568,8 @@ class Rollouter:
         self.moved_resumes = list(state.get("moved_resumes", [0] * n))
         if state.get("agent") and self.agent is not None:  # absent from checkpoints written before agent loops
             self.agent.restore(state["agent"])
+        if state.get("filter") and self.filter is not None:  # absent from checkpoints written before the filter
+            self.filter.restore(state["filter"])
         self._paused = paused
         self.cancel_queue.extend(interrupted)
         self.retry_queue.extend(retry)

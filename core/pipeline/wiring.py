@@ -34,6 +34,7 @@ from core.model.progress import ProgressFn, WeightsSynced
 from core.model.result import EngineCounters, RunResult, SyncCounters, TrainerCounters
 from core.model.sample import Group
 from core.model.timeline import Timeline
+from core.pipeline.group_filter import GroupFilter
 from core.pipeline.param_sync import ParamSync
 from core.model.run_plan import RunPlan
 from core.pipeline.replay_stage import ReplayStage
@@ -169,6 +170,10 @@ def connect_rollout(
         stop_timeout_s=t.control_s,
         catch_up=catch_up,
         agent=workers.agent,
+        group_filter=GroupFilter(sc.filter, sc.trainer.batch_size) if sc.filter is not None else None,
+        pass_floor=plan.pass_floor,
+        surplus=plan.surplus,
+        resume_surplus=plan.pause in ("abort", "keep"),
     )
 
 

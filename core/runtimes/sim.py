@@ -20,7 +20,7 @@ from core.sim.agent_episodes import SimEpisodes
 from core.sim.backend import SimTrainBackend, SimWeightTransfer
 from core.sim.costs import DecodeCost, TrainCost, TransferCost
 from core.sim.engine import SimEngine
-from core.sim.workload import Workload
+from core.sim.workload import ModelledReward, Workload
 
 
 def sim_workers(plan: RunPlan, timeline: Timeline) -> Workers:
@@ -37,7 +37,9 @@ def sim_workers(plan: RunPlan, timeline: Timeline) -> Workers:
     ]
     backend = SimTrainBackend(TrainCost(sc, place.trainer_gpus, mode in sc.trainer.recompute_logprobs, colocated=place.colocated))
     transfer = SimWeightTransfer(TransferCost(sc, colocated=place.colocated))
-    return Workers(engines, backend, transfer, spread=Workload(sc.workload, sc.seed).reward_spread,
+    # A filter judges groups by their rewards: the workload's modelled ones, at no cost in time.
+    reward = ModelledReward(Workload(sc.workload, sc.seed)) if sc.filter is not None else None
+    return Workers(engines, backend, transfer, reward=reward, spread=Workload(sc.workload, sc.seed).reward_spread,
                    agent=SimEpisodes(workload) if agent is not None else None)
 
 

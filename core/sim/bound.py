@@ -53,6 +53,9 @@ at the draws' mean, a run whose long draws fall where the trainer would have wai
 beat its bound (by 3.4 % with two-valued lengths and a ring of one batch).
 ``resource_samples_per_s`` drops the staleness-budget term: what the GPUs could do if
 rollout were free to run ahead.
+With a filter or over-provisioning, admission runs beyond the budget (by 1 / min_pass_rate,
+plus the surplus) and the bound lets the trained groups use all of it; it leaves out the
+generation of groups filtered or cut, so it stays an upper bound, a looser one.
 The bound assumes every engine always holds a full batch. The long tail is what breaks
 that in sync mode (a few long responses keep a window open while most engines idle), and
 the drain at each sync is what breaks it in async mode.
@@ -67,9 +70,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from core.model.config import Scenario
+from core.model.config import Placement, Scenario
+from core.model.run_plan import RunPlan
 from core.sim.costs import DecodeCost, TrainCost, TransferCost
-from core.model.config import Placement, effective_staleness
 from core.sim.workload import Workload
 
 
@@ -143,8 +146,9 @@ def pipeline_bound(
     (``step_draws``), each training counted. ``order``: without replay, the rows of ``lengths``
     in the order a run trained them; the run is played out twice, its trainer taking groups in
     finishing order and in that order, and the faster of the two is the bound."""
-    place = Placement.of(sc, mode)
-    _, lead = effective_staleness(sc, mode)
+    run_plan = RunPlan.of(sc, mode)
+    place, lead = run_plan.placement, run_plan.lead
+    over, surplus = 1.0 / run_plan.pass_floor, run_plan.surplus
     w = sc.workload
     lengths = (planned_lengths(sc) if lengths is None else lengths).astype(np.float64)
     mean_l, mean_l2 = float(lengths.mean()), float((lengths**2).mean())
@@ -153,7 +157,7 @@ def pipeline_bound(
     trained_window = sc.trainer.batch_size * sc.trainer.sync_every
 
     allowed = sc.rollout.max_concurrency or max(w.group_size, place.engines * sc.rollout.max_num_seqs)
-    allowed = min(allowed, math.floor((1 + lead) * window + 1e-9))
+    allowed = min(allowed, math.floor((1 + lead) * window * over + 1e-9) + surplus)
     # Groups are routed whole: too few of them leave engines empty and fill the others.
     groups = max(1, allowed // w.group_size)
     busy = min(place.engines, groups)
@@ -185,7 +189,7 @@ def pipeline_bound(
         played = [
             _budget_paced_run(
                 sc, whole, reach, decode, place.engines, train, transfer, lead,
-                pause=PAUSE_IN_BOUND.get(mode), draws=draws, order=taken,
+                pause=PAUSE_IN_BOUND.get(mode), draws=draws, order=taken, over=over, surplus=surplus,
             )
             for taken in ([None] if order is None or sc.replay.enabled else [None, order])
         ]
@@ -250,14 +254,17 @@ def _take_in_order(ready: list, idx: np.ndarray, t: float) -> tuple[list[int], f
 
 def _budget_paced_run(sc: Scenario, lengths: np.ndarray, reach: np.ndarray, decode: DecodeCost, engines: int,
                       train: TrainCost, transfer: float, lead: float, pause: str | None,
-                      draws: np.ndarray | None = None, order: np.ndarray | None = None) -> tuple[float, float]:
+                      draws: np.ndarray | None = None, order: np.ndarray | None = None,
+                      over: float = 1.0, surplus: int = 0) -> tuple[float, float]:
     """Seconds the run takes when only the staleness budget and training pace it, and the
     seconds of it the trainer is busy (steps and transfers).
 
     With ``pause`` every group still generating at a sync is paused for the transfer: "keep"
     (inflight) only that; "abort" (partial rollout) then prefills it again, as the cost model
     charges: its prompt once and every unfinished response's tokens so far, spread evenly over
-    the engines. Groups admitted at the bump queue behind that re-prefill."""
+    the engines. Groups admitted at the bump queue behind that re-prefill. ``over`` and
+    ``surplus``: what admission may run beyond the budget (a filter's expected pass rate,
+    over-provisioning); the bound lets the trained groups use it all."""
     n = sc.workload.group_size
     p = sc.workload.prompt_tokens
     prefill = decode.prefill_s(0, p)
@@ -279,7 +286,7 @@ def _budget_paced_run(sc: Scenario, lengths: np.ndarray, reach: np.ndarray, deco
     busy = 0.0
     mean_draw = draws.mean(axis=0) if draws is not None and len(draws) else None
     for step in range(sc.trainer.steps):
-        limit = min(plan, math.floor((version + 1 + lead) * window_groups + 1e-9) + warm_up)
+        limit = min(plan, math.floor((version + 1 + lead) * window_groups * over + 1e-9) + warm_up + surplus // n)
         while admitted < limit:
             g = admitted % len(lengths)
             started[g] = max(t, engines_free)

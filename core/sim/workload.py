@@ -65,16 +65,23 @@ class Workload:
             block = self._blocks[b] = self._block(b)
         return block[row]
 
+    def rewards(self, prompt_id: int) -> np.ndarray:
+        """The group's modelled 0/1 rewards: the prompt's pass rate is drawn from
+        Beta(workload.pass_rate_alpha, pass_rate_beta) and each response passes with it, from a
+        stream seeded apart from the lengths so that lengths never change."""
+        s = self.spec
+        rng = np.random.default_rng([self.seed, prompt_id, 1])
+        draws = rng.random(s.group_size)  # before the rate: the stream's order since the first release
+        if s.pass_rate_alpha == 1.0 and s.pass_rate_beta == 1.0:
+            rate = rng.random()
+        else:
+            rate = rng.beta(s.pass_rate_alpha, s.pass_rate_beta)
+        return (draws < rate).astype(np.float64)
+
     def reward_spread(self, prompt_id: int) -> float:
         """Modeled std of the group's 0/1 rewards: the GRPO learning signal that a prioritized
-        replay ranks groups by (a group all right or all wrong has zero advantage).
-
-        Each prompt gets a pass rate drawn uniformly from [0, 1] and each response passes
-        with it, from a stream seeded apart from the lengths so that lengths never change.
-        """
-        rng = np.random.default_rng([self.seed, prompt_id, 1])
-        rewards = rng.random(self.spec.group_size) < rng.random()
-        return float(rewards.std())
+        replay ranks groups by (a group all right or all wrong has zero advantage)."""
+        return float(self.rewards(prompt_id).std())
 
     def sample_lengths(self, n_prompts: int = 8192) -> np.ndarray:
         """Response lengths of the first ``n_prompts`` prompts, one row per group."""
@@ -115,3 +122,14 @@ class Workload:
                     return EpisodePlan(tuple(ends), tuple(answers[: k]), tuple(tool_s[: k]), binding)
                 pos += answers[k]
         return EpisodePlan(tuple(ends), tuple(answers[: turns - 1]), tuple(tool_s[: turns - 1]), reason)
+
+
+class ModelledReward:
+    """The sim's scorer (``core.api.RewardFn``): the workload's modelled 0/1 rewards, at no
+    cost in time. Only runs that filter groups need one; without it groups carry no reward."""
+
+    def __init__(self, workload: Workload) -> None:
+        self.workload = workload
+
+    async def score(self, group) -> list[float]:
+        return self.workload.rewards(group.prompt_id).tolist()
