@@ -214,13 +214,17 @@ def honesty_lines(summary: dict) -> list[str]:
         parts = []
         if bias is not None and bias < LENGTH_BIAS_WARN:
             parts.append(f"its trained responses are {100 * (1 - bias):.0f} % shorter than the ones it admitted")
+        filtered = row.get("samples/filtered") or 0
         if waste > WASTE_WARN:
+            of = f", {filtered:,} of them by the filter" if filtered else ""
             parts.append(
                 f"{100 * waste:.0f} % of the tokens it generated were thrown away "
-                f"({row.get('samples/dropped', 0):,} samples dropped)"
+                f"({row.get('samples/dropped', 0):,} samples dropped{of})"
             )
         if bias is not None and bias < LENGTH_BIAS_WARN:
             tail = "its samples/s overstates its speed and its gradient favours short answers; read tokens/s"
+        elif filtered:
+            tail = "what the filter dropped had no learning signal, the GPU time that generated it is the filter's price"
         else:
             tail = "the GPU time that generated them bought nothing"
         out.append(f"{mode}: {' and '.join(parts)}: {tail}.")

@@ -200,6 +200,8 @@ def collect(
     m.update(result.faults.metrics())
     for reason, n in sorted(led.dropped.items()):
         m[f"samples/dropped_{reason}"] = n
+    if sc.filter is not None:  # dropped by dynamic sampling, every reason
+        m["samples/filtered"] = sum(n for reason, n in led.dropped.items() if reason.startswith("filter_"))
     for name, n in result.queue_counters.items():
         m[f"queue/{name}_groups"] = n
     if result.replay_counters is not None:
