@@ -47,3 +47,9 @@ def always_fails(prompt, response, answer, finished):
 
 
 _calls = 0
+
+
+def constant_when_even(prompt, response, answer, finished):
+    """0.5 for every response to a prompt of an even number of words (a group with no reward
+    variance); ``length_share`` for the others."""
+    return 0.5 if len(prompt.split()) % 2 == 0 else length_share(prompt, response, answer, finished)

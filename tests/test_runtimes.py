@@ -63,6 +63,21 @@ def test_local_runtime_torch_engine(mode, tiny_model_dir):
     assert [i["trainings"] for i in system.trainer.step_info] == [32, 64, 96]
 
 
+def test_local_runtime_filters_groups_without_reward_variance(tiny_model_dir):
+    """Dynamic sampling on real engines: groups whose rewards are all equal never reach the
+    trainer, rollout samples on until every batch is full, and the ledger closes."""
+    from core.real.reward import make_task
+
+    sc = small("scenarios/real-cpu-torch.yaml", tiny_model_dir, modes=["async"],
+               **{"reward.fn": "tests.byo_reward:constant_when_even", "filter": {}})
+    system = run_mode(sc, "async")
+    m = assert_accounted(system)
+    n = sc.workload.group_size
+    assert m["samples/dropped_filter_no_variance"] >= n and m["samples/filtered"] == m["samples/dropped_filter_no_variance"]
+    task = make_task(sc)
+    assert all(len(task.prompt_text(pid).split()) % 2 for pid, _, _ in system.ledger.trained_log)
+
+
 def ran_on(system) -> dict:
     """Where each component ran (node ids, asked of the actors), and the driver's node."""
     import ray
