@@ -302,22 +302,22 @@ AGENT = {"min_turns": 2, "max_turns": 5, "tool_delay_s": {"median": 3.0, "sigma"
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
-    "every, faults, stops, agent",
+    "every, faults, stops, more",
     [
-        (1, [], lambda rng: sorted(rng.sample(range(1, STEPS), 3)), None),
-        (2, [], lambda rng: sorted(rng.sample(range(1, STEPS), 2)), None),
+        (1, [], lambda rng: sorted(rng.sample(range(1, STEPS), 3)), {}),
+        (2, [], lambda rng: sorted(rng.sample(range(1, STEPS), 2)), {}),
         # Stopped while the slowdown is under way (60-260 s; the checkpoint of step 4 is at
         # 120-145 s): the resumed run must still end it on time.
-        (1, [SLOW], lambda rng: [rng.randrange(5, 8)], None),
-        (1, RESUME_FAULTS, lambda rng: [rng.randrange(4, 12), rng.randrange(12, STEPS)], None),
-        (1, [{"kind": "kill", "worker": 0, "at_s": 80.0}], lambda rng: sorted(rng.sample(range(1, STEPS), 2)), AGENT),
+        (1, [SLOW], lambda rng: [rng.randrange(5, 8)], {}),
+        (1, RESUME_FAULTS, lambda rng: [rng.randrange(4, 12), rng.randrange(12, STEPS)], {}),
+        (1, [{"kind": "kill", "worker": 0, "at_s": 80.0}], lambda rng: sorted(rng.sample(range(1, STEPS), 2)), {"agent": AGENT}),
+        # Dynamic sampling (its pass rate counted in admission) and an over-provisioned surplus.
+        (1, [], lambda rng: sorted(rng.sample(range(1, STEPS), 2)), {"filter": {"min_pass_rate": 0.5}, "rollout.overprovision": 1.5}),
     ],
-    ids=["every1", "every2", "slowdown", "faults", "agent"],
+    ids=["every1", "every2", "slowdown", "faults", "agent", "filter"],
 )
-def test_a_resumed_run_ends_as_the_run_that_never_stopped(mode, every, faults, stops, agent, no_fsync, tmp_path):
-    changes = {"checkpoint.every": every, "faults": faults}
-    if agent is not None:
-        changes["agent"] = agent
+def test_a_resumed_run_ends_as_the_run_that_never_stopped(mode, every, faults, stops, more, no_fsync, tmp_path):
+    changes = {"checkpoint.every": every, "faults": faults, **more}
     sc = with_changes(base(), changes)
     full = outcome(run_mode(sc, mode, run_dir=tmp_path / "full"))
     rng = random.Random(f"resume/{mode}/{every}/{len(faults)}")

@@ -185,6 +185,9 @@ def check_contents(snap: Snapshot, sc: Scenario, mode: str) -> None:
     ro = _part(st, "rollouter", dict, "rollouter")
     for k in ("version", "admitted", "next_prompt"):
         _count(ro.get(k), f"rollouter.{k}")
+    if "filter" in ro:  # absent from checkpoints written before the filter
+        for k, v in _part(ro, "filter", dict, "rollouter.filter").items():
+            _count(v, f"rollouter.filter.{k}")
     q = _part(st, "queue", dict, "queue")
     _count(q.get("version"), "queue.version")
     for k, v in _part(q, "counters", dict, "queue.counters").items():
