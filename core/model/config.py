@@ -1217,7 +1217,7 @@ class Scenario(_Frozen):
         if lora is None:
             return
         if self.engine.kind == "vllm":
-            raise ConfigError("trainer.lora", lora.model_dump(), "the vLLM engine does not take a LoRA adapter from a weight sync "
+            raise ConfigError("engine.kind", "vllm", "the vLLM engine takes no LoRA adapter from a weight sync, and trainer.lora is set "
                               "(vLLM 0.32 loads adapters from a directory per request; docs/real-runtimes.md)",
                               "use engine.kind: torch, or remove trainer.lora")
         if self.runtime != "sim" and self.model.path is not None:
