@@ -67,6 +67,9 @@ def comparison_table(name: str, summary: dict) -> Table:
     lost = sum(row["samples/lost"] for row in modes.values())
     seeds = summary.get("seeds")
     which = f"mean over seeds {', '.join(map(str, seeds))}" if seeds else "one seed"
+    moved = sorted({row["sync/bytes_mean"] for row in modes.values() if row.get("sync/bytes_mean")})
+    # What one sync moved (the adapter alone with trainer.lora): real runs count it, the sim prices it.
+    synced = f" Moved per sync: {' / '.join(_compact(b) + 'B' for b in moved)}." if moved else ""
     t = Table(
         title=f"{name}: one workload, {which}, every mode",
         title_justify="left",
@@ -76,7 +79,7 @@ def comparison_table(name: str, summary: dict) -> Table:
         caption=(
             "Trained samples and tokens (prompt + response) per second; vs sync and of bound in tokens. "
             "GPU time: % of all GPU-seconds generating/training/syncing/idle. "
-            f"Pause: mean sync pause. Stale: mean/max versions. Samples lost: {lost}."
+            f"Pause: mean sync pause. Stale: mean/max versions. Samples lost: {lost}.{synced}"
         ),
         caption_justify="left",
     )

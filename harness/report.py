@@ -34,6 +34,7 @@ SUMMARY_KEYS = (
     "tokens/wasted_share",
     "latency/sample_e2e_p99_s",
     "sync/pause_mean_s",
+    "sync/bytes_mean",
     "util/gpu",
     "util/implied_trainer_mfu",
     "util/implied_rollout_mfu",

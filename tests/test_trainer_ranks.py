@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from core.api import Batch
-from core.model.config import LearnSpec
+from core.model.config import LearnSpec, LoraSpec
 from core.real.grpo import TorchTrainBackend
 from core.real.rank_group import RankGroup, token_balanced_cuts
 
@@ -44,6 +44,9 @@ CASES = [("bypass", 2), ("tis", 2), ("decoupled", 2), ("icepop", 2), ("seq_tis",
 # over all weights, measured 0.019 (BF16_UPDATE_RTOL 0.1; the worst weight 1.5e-3, within 2 lr per step).
 FSDP_CASES = [("decoupled", 2, "float32"), ("m2po", 2, "float32"), ("decoupled", 2, "bfloat16")]
 BF16_UPDATE_RTOL = 0.1
+# trainer.lora on both shardings: each rank draws its adapter from a seed of its own (rank 0's
+# must win), and only the adapter moves; lr 1e-2, as LoRA trains (docs/real-runtimes.md).
+LORA, LORA_LEARN = LoraSpec(rank=4), dict(minibatches=2, lr=1e-2)
 
 
 def _free_port() -> int:
@@ -94,10 +97,16 @@ def _rank_main(rank: int, size: int, port: int, model_dir: str, path: str, out: 
             loss, w, info = _step(b, groups)
             sharded.append((loss, w, info["updates"], _shard_sizes(b)))
         resumed = _stop_and_resume(model_dir, ranks, groups, f"{out}-shards")
+        lora = []
+        for sharding in ("ddp", "fsdp2"):
+            b = TorchTrainBackend(model_dir, LearnSpec(sharding=sharding, **LORA_LEARN), threads=1, lora=LORA, seed=rank)
+            b.join(ranks)
+            loss, w, _ = _step(b, groups)
+            lora.append((loss, w))
     finally:
         ranks.leave()
     with open(f"{out}.{rank}", "wb") as f:
-        pickle.dump({"ddp": got, "fsdp2": sharded, "resume": resumed}, f)
+        pickle.dump({"ddp": got, "fsdp2": sharded, "resume": resumed, "lora": lora}, f)
 
 
 def _shard_sizes(b: TorchTrainBackend) -> int:
@@ -167,6 +176,7 @@ def ranks(tiny_model_dir, tmp_path_factory) -> dict:
     return {
         "groups": groups, "state": state, "exits": exits, "restored": read(f"{out}-restored"), "shards": f"{out}-shards",
         "two": [g["ddp"] for g in got], "fsdp2": [g["fsdp2"] for g in got], "resume": [g["resume"] for g in got],
+        "lora": [g["lora"] for g in got],
     }
 
 
@@ -193,6 +203,23 @@ def test_two_ranks_make_the_update_of_one(tiny_model_dir, ranks):
         assert trunc_a == pytest.approx(info1["is_truncated_frac"], abs=1e-9), case
         # The step moved the weights: the comparison is not of two untouched models.
         assert max(float(np.abs(w1[n] - start[n]).max()) for n in w1) > 1e-4, case
+
+
+def test_two_lora_ranks_ddp_or_fsdp2_make_the_adapter_update_of_one(tiny_model_dir, ranks):
+    """trainer.lora under both shardings: the adapter after one step on 2 ranks (each started
+    from another random A) is one rank's, and the 2 ranks' are equal bit for bit."""
+    assert ranks["exits"] == [0, 0]
+    one = TorchTrainBackend(tiny_model_dir, LearnSpec(**LORA_LEARN), threads=1, lora=LORA, seed=0)
+    start = one.weights()
+    loss1, w1, _ = _step(one, ranks["groups"])
+    assert all("lora_" in n for n in w1) and max(float(np.abs(w1[n] - start[n]).max()) for n in w1) > 1e-3
+    for i, sharding in enumerate(("ddp", "fsdp2")):
+        (loss_a, wa), (loss_b, wb) = ranks["lora"][0][i], ranks["lora"][1][i]
+        assert wa.keys() == w1.keys(), sharding
+        for n in wa:
+            np.testing.assert_array_equal(wa[n], wb[n], err_msg=f"{sharding}: ranks differ on {n}")
+        assert abs(loss_a - loss1) <= LOSS_ATOL, (sharding, loss_a, loss1)
+        assert max(float(np.abs(wa[n] - w1[n]).max()) for n in w1) <= 10 * WEIGHT_ATOL, sharding  # lr 10x the others'
 
 
 def _one_sharded_rank(model_dir, spec: LearnSpec) -> TorchTrainBackend:

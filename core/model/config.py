@@ -17,7 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from pydantic_core import PydanticCustomError
 
 from core.model.length_file import LengthFileError, read_lengths
-from core.model.model_dir import ModelDirError, check_loadable, read_model_dir, read_tokenizer
+from core.model.model_dir import ModelDirError, check_loadable, linear_layers, read_model_dir, read_tokenizer
 from core.model.owned import is_owned
 from core.model.prompt_file import PromptFileError, read_prompts
 from core.model.lookup_file import LookupFileError, read_lookup
@@ -201,6 +201,9 @@ class ModelSpec(_Frozen):
     """Key/value heads (Qwen2.5-7B config.json: num_key_value_heads 4, GQA)."""
     head_dim: int = Field(128, ge=1, le=MAX_DIM)
     """Head dimension (Qwen2.5-7B: 3584 / 28 heads)."""
+    intermediate: int = Field(18944, ge=1, le=MAX_DIM)
+    """Width of the gated MLP (Qwen2.5-7B config.json: intermediate_size 18944). Read only to
+    price a LoRA adapter's gate/up/down matrices (``trainer.lora``)."""
     dtype_bytes: int = Field(2, ge=1, le=8)
     """Bytes per weight and per KV element (bf16)."""
     vocab: Optional[int] = Field(None, ge=1, le=MAX_DIM)
@@ -395,6 +398,42 @@ class FilterSpec(_Frozen):
         return self
 
 
+LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The linear layers of every decoder layer of a model with a gated MLP (Llama, Qwen2, Mistral;
+the tiny model is a Qwen2): the names the sim knows the shapes of, and the default targets."""
+_LORA_NOT_TARGETS = frozenset({"embed_tokens", "lm_head"})  # an embedding and a head that may be tied to it
+
+
+class LoraSpec(_Frozen):
+    """A LoRA adapter (peft's ``LoraConfig``): the trainer trains it with the base weights frozen,
+    and a weight sync moves only its tensors. Read by: the local and ray runtimes (trainer, torch
+    engine, evaluators); the sim for the bytes of a sync (core/sim/costs.py)."""
+
+    rank: int = Field(8, ge=1, le=MAX_DIM)
+    """r: each targeted weight W (out x in) is trained as W0 + (alpha / r) B A, with A (r x in)
+    drawn at random and B (out x r) zero at the start, so the first rollout is the base model's.
+    A sync moves r (in + out) numbers per targeted matrix per layer."""
+    alpha: float = Field(16.0, gt=0)
+    """Scale of the update: B A is multiplied by alpha / r (peft's lora_alpha; 2 r is the common choice)."""
+    targets: tuple[str, ...] = LORA_TARGETS
+    """Leaf names of the linear layers adapted in every decoder layer (peft's target_modules).
+    Default: all seven of a gated-MLP decoder, attention and MLP. The sim and the tiny model know
+    those seven; a ``model.path`` must have a linear layer of each name."""
+
+    @field_validator("targets")
+    @classmethod
+    def _targets(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise refused("names no layer to adapt", f"list one or more of {', '.join(LORA_TARGETS)}")
+        if len(set(value)) != len(value):
+            raise refused("names a layer twice", "list each target once")
+        bad = [t for t in value if t in _LORA_NOT_TARGETS or not t.isidentifier()]
+        if bad:
+            raise refused(f"{bad[0]!r} is not a linear layer of a decoder layer (an adapter on the embedding or the head is not supported)",
+                          f"list linear layers only, such as {', '.join(LORA_TARGETS)}")
+        return value
+
+
 class TrainerSpec(_Frozen):
     """The trainer: GRPO steps on whole groups. Read by: every runtime for batch_size, sync_every
     and steps; the cost terms by the sim only."""
@@ -427,6 +466,11 @@ class TrainerSpec(_Frozen):
     """Gradient checkpointing: the backward recomputes the forward, 4 forward passes per sample
     instead of 3 (verl DAPO recipes: enable_gradient_checkpointing True; AReaL: gradient_checkpointing
     true). False keeps scenarios written before this field as they were."""
+    lora: Optional[LoraSpec] = None
+    """Train a LoRA adapter instead of the whole model, and sync only the adapter (e.g.
+    ``lora: {rank: 8}``; docs/real-runtimes.md). The torch trainer trains it through peft; the
+    torch engine and the evaluators apply it to their own copy of the base weights; the sim prices
+    a sync at the adapter's bytes. None: full fine-tuning, every weight synced."""
 
 
 class StalenessSpec(_Frozen):
@@ -1146,6 +1190,7 @@ class Scenario(_Frozen):
             )
         self._check_trainer_ranks()
         self._check_sharding()
+        self._check_lora()
         self._check_faults()
         self._check_kv_fits()
         self._check_agent()
@@ -1221,6 +1266,28 @@ class Scenario(_Frozen):
                 raise ConfigError("learn.sharding", sharding, f"every fsdp2 rank takes part in every minibatch's forward, and a minibatch "
                                   f"of {per_mb} groups leaves one of {ranks} ranks without a group",
                                   "use fewer learn.minibatches or ray.trainer_ranks, or a larger trainer.batch_size")
+
+    def _check_lora(self) -> None:
+        """An adapter every part of the run can train, send and apply: each target a linear
+        layer of the model (the sim and the tiny model know the seven of a gated-MLP decoder),
+        and an engine that applies it."""
+        lora = self.trainer.lora
+        if lora is None:
+            return
+        if self.engine.kind == "vllm":
+            raise ConfigError("engine.kind", "vllm", "the vLLM engine takes no LoRA adapter from a weight sync, and trainer.lora is set "
+                              "(vLLM 0.32 loads adapters from a directory per request; docs/real-runtimes.md)",
+                              "use engine.kind: torch, or remove trainer.lora")
+        if self.runtime != "sim" and self.model.path is not None:
+            known = linear_layers(self.model.path) - _LORA_NOT_TARGETS
+            where = f"model.path {self.model.path}"
+        else:
+            known = set(LORA_TARGETS)
+            where = "the sim's model figures" if self.runtime == "sim" else "the tiny model (a Qwen2)"
+        missing = [t for t in lora.targets if t not in known]
+        if missing:
+            raise ConfigError("trainer.lora.targets", list(lora.targets), f"{missing[0]!r} names no linear layer of {where}",
+                              f"list only layers it has: {', '.join(sorted(known)) or 'none found'}")
 
     def _check_real_model(self) -> None:
         """The model a real run loads is there, its tokenizer loads, and it takes the longest

@@ -92,6 +92,8 @@ class ModelFigures:
     kv_heads: int
     head_dim: int
     vocab: int
+    intermediate: Optional[int]
+    """The gated MLP's width; None where config.json does not say."""
     tied_embeddings: Optional[bool]
     """None: neither config.json nor the weights say."""
     params: Optional[int]
@@ -106,6 +108,8 @@ class ModelFigures:
     def stated(self) -> dict:
         """What the directory states exactly: an explicit value in the scenario must agree."""
         out = {"layers": self.layers, "hidden": self.hidden, "kv_heads": self.kv_heads, "head_dim": self.head_dim, "vocab": self.vocab}
+        if self.intermediate is not None:
+            out["intermediate"] = self.intermediate
         if self.tied_embeddings is not None:
             out["tied_embeddings"] = self.tied_embeddings
         if self.params is not None:
@@ -157,6 +161,7 @@ def read_model_dir(path: str | Path) -> ModelFigures:
         kv_heads=kv_heads,
         head_dim=head_dim,
         vocab=vocab,
+        intermediate=_optional_int(cfg.get("intermediate_size")),
         tied_embeddings=tied,
         params=params,
         params_estimate=_estimate(cfg, layers, heads, hidden, kv_heads, head_dim, vocab, bool(tied)),
@@ -218,6 +223,12 @@ def _parse_json(name: str, text: str, max_depth: Optional[int]) -> Any:
         raise ModelDirError(f"{name} is not JSON ({str(exc)[:80]})") from None
 
 
+def _optional_int(v: object) -> Optional[int]:
+    """A figure only LoRA pricing reads: a positive whole number, else None (never an error:
+    a model whose MLP widths are listed per layer still loads)."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None
+
+
 def _int(cfg: dict, *keys: str, default: object = ...) -> Optional[int]:
     for k in keys:
         v = cfg.get(k)
@@ -228,6 +239,22 @@ def _int(cfg: dict, *keys: str, default: object = ...) -> Optional[int]:
     if default is ...:
         raise ModelDirError(f"config.json has no {' / '.join(keys)}: not a causal-LM config asyncrl can read")
     return default  # type: ignore[return-value]
+
+
+def linear_layers(path: str | Path) -> set[str]:
+    """Leaf names of the matrices inside the model's blocks (``model.layers.0.mlp.up_proj.weight``:
+    ``up_proj``), from the safetensors headers: what a LoRA target may name. Empty where the
+    weights cannot be read (``check_loadable`` says why)."""
+    try:
+        tensors = _tensor_shapes(_weight_files(Path(path)))
+    except ModelDirError:
+        return set()
+    out = set()
+    for name, (shape, _) in tensors.items():
+        parts = name.split(".")
+        if len(shape) == 2 and len(parts) >= 3 and parts[-1] == "weight":
+            out.add(parts[-2])
+    return out
 
 
 def _weight_files(path: Path) -> tuple[Path, ...]:

@@ -35,9 +35,11 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer
 
+from core.model.config import LoraSpec
 from core.model.sample import LOGPROB_DTYPE, TOKEN_DTYPE, Group, Sample
 from core.real.engine_meter import EngineMeter
 from core.real.hf_model import load_model, model_dtype
+from core.real.lora import AdapterMerge
 from core.real.weight_broadcast import BroadcastTicket, GroupMember, RollCall, broken_as_collective, manifest_of
 from core.model.timeline import Timeline
 
@@ -134,6 +136,7 @@ class TorchEngine(EngineMeter):
         timeline: Optional[Timeline] = None,
         device: str = "cpu",
         dtype: str = "auto",
+        lora: Optional[LoraSpec] = None,
     ) -> None:
         self.name = name
         self.model_dir = Path(model_dir)
@@ -166,6 +169,9 @@ class TorchEngine(EngineMeter):
         self._between.set()
         self._roll = RollCall(name)  # weights by broadcast: this engine's answers to the trainer
         self._member: Optional[GroupMember] = None
+        # trainer.lora: syncs bring the adapter alone, merged onto this engine's own base weights.
+        self.lora = lora
+        self._adapter: Optional[AdapterMerge] = None
 
     @property
     def frozen(self) -> bool:
@@ -185,7 +191,10 @@ class TorchEngine(EngineMeter):
     def _load(self):
         _register_gqa_sdpa()
         model = load_model(self.model_dir, attn_implementation=GQA_SDPA, dtype=getattr(torch, self.dtype))
-        return model.to(self.device).eval()
+        model = model.to(self.device).eval()
+        if self.lora is not None:
+            self._adapter = AdapterMerge(model, self.lora, self.name)
+        return model
 
     async def generate(self, group: Group, max_response_len: int, stop_ids: frozenset[int] = frozenset()) -> bool:
         """Generate every unfinished response of ``group``; False if aborted first."""
@@ -273,6 +282,9 @@ class TorchEngine(EngineMeter):
             with broken_as_collective(self.name):
                 self._receive(weights)
             return
+        if self._adapter is not None:
+            self._adapter.apply(weights)  # refuses a sync without the adapter, or with another one
+            return
         state = {k: v if isinstance(v, torch.Tensor) else torch.from_numpy(np.asarray(v)) for k, v in weights.items()}
         with torch.no_grad():
             missing, unexpected = self.model.load_state_dict(state, strict=False)
@@ -286,13 +298,15 @@ class TorchEngine(EngineMeter):
         straight into the parameter when it is a bucket alone."""
         self._roll.timeout_s = ticket.timeout_s
         m, join = self._roll.answer(ticket)
-        params = dict(self.model.named_parameters())  # a tied lm_head is the embedding's tensor: listed once
+        # A tied lm_head is the embedding's tensor: listed once. With an adapter: its tensors,
+        # which the manifest check then holds the trainer's to (a sync without them fails).
+        params = self._adapter.received if self._adapter is not None else dict(self.model.named_parameters())
         if join:
             if self._member is not None:
                 self._member.close()
             self._member = None
-            self._member = GroupMember(m, manifest_of(params.items()), device=str(self.device),
-                                       timeout_s=ticket.timeout_s, who=self.name)
+            expected = self._adapter.specs if self._adapter is not None else manifest_of(params.items())
+            self._member = GroupMember(m, expected, device=str(self.device), timeout_s=ticket.timeout_s, who=self.name)
 
         def load(views) -> None:
             for name, v in views:
@@ -304,6 +318,8 @@ class TorchEngine(EngineMeter):
 
         with torch.no_grad():
             self._member.receive(ticket.bucket_bytes, load, direct=direct)
+            if self._adapter is not None:
+                self._adapter.merge()
 
     async def clear_cache(self) -> None:
         """KV rows are dropped as soon as their request ends: nothing is cached across requests."""

@@ -22,6 +22,7 @@ from core.model.config import Scenario
 from core.model.reward_fn import reward_failed
 from core.real.reward import make_task
 from core.real.hf_model import load_model
+from core.real.lora import AdapterMerge
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,9 @@ def evaluate(sc: Scenario, weights: Optional[dict], version: int, prompt_ids: li
     if threads is not None:
         torch.set_num_threads(threads)
     model = load_model(sc.real_model_path)
-    if weights is not None:
+    if weights is not None and sc.trainer.lora is not None:
+        AdapterMerge(model, sc.trainer.lora, "evaluator").apply(weights)  # the adapter, checked, onto the base
+    elif weights is not None:
         # numpy from the object store, or tensors in the engines' dtype from a local sync.
         model.load_state_dict({k: v if isinstance(v, torch.Tensor) else torch.from_numpy(np.array(v)) for k, v in weights.items()}, strict=False)
     model.eval()

@@ -31,12 +31,13 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
-from core.model.config import LearnSpec
+from core.model.config import LearnSpec, LoraSpec
 from core.api import Batch, TrainBackend
 from core.model.sample import Sample
 from core.real.corrections import RECOMPUTES_PROX, STATS, correction_loss
 from core.real.device import CPU, is_accelerator, mesh, synchronize
 from core.real.hf_model import load_model
+from core.real.lora import adapter_parameters, wrap
 from core.real.rank_group import RankGroup, token_balanced_cuts
 
 log = logging.getLogger(__name__)
@@ -190,6 +191,7 @@ class TorchTrainBackend(TrainBackend):
         device: str = "cpu",
         seed: int = 0,
         temperature: float = 1.0,
+        lora: Optional[LoraSpec] = None,
     ) -> None:
         self.ranks = RankGroup()  # alone until ``join``
         self.sharded = False  # FSDP2 (learn.sharding), from ``join`` on: each rank holds a shard of every parameter
@@ -202,9 +204,14 @@ class TorchTrainBackend(TrainBackend):
         # On CPU, torch's SDPA kernels are 3-40x slower than eager attention at these sizes
         # (measured: padded batch of 64 x 80 tokens, 2 threads; decode with a padding mask worst).
         attn = "sdpa" if is_accelerator(device) else "eager"
-        self.model = load_model(model_dir, attn_implementation=attn).to(device)
+        self.model = load_model(model_dir, attn_implementation=attn)
+        # trainer.lora: only the adapter trains, and only it is synced (core/real/lora.py).
+        self.lora = lora
+        if lora is not None:
+            self.model = wrap(self.model, lora)
+        self.model = self.model.to(device)
         self.model.train()
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=learn.lr)
+        self.opt = torch.optim.Adam(self.trainable(), lr=learn.lr)
         self._device_type = torch.device(device).type
         cfg = self.model.config
         self.params = sum(p.numel() for p in self.model.parameters())
@@ -228,10 +235,14 @@ class TorchTrainBackend(TrainBackend):
         the device module picks the collective backend."""
         with self._lock:
             self.ranks = ranks
+        # As DDP does: every replica starts from rank 0's. Sharded, the base weights are the
+        # model directory's on every rank, but a LoRA adapter's A is drawn: rank 0's, before
+        # each rank keeps its shard of it.
+        if ranks.size > 1 and not self.sharded and (self.learn.sharding != "fsdp2" or self.lora is not None):
+            self._replicate()
+        with self._lock:
             if self.learn.sharding == "fsdp2" and not self.sharded:
                 self._shard()
-        if ranks.size > 1 and not self.sharded:
-            self._replicate()  # as DDP does: every replica starts from rank 0's
 
     def _shard(self) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # imported on use: only a sharded trainer needs it
@@ -240,16 +251,17 @@ class TorchTrainBackend(TrainBackend):
         # weights that Adam updates, and gradients are reduced in reduce_dtype.
         policy = MixedPrecisionPolicy(param_dtype=getattr(torch, self.learn.param_dtype), reduce_dtype=getattr(torch, self.learn.reduce_dtype))
         over = mesh(self._device_type, self.ranks.size)
-        for layer in self.model.model.layers:
+        layers = (self.model.get_base_model() if self.lora is not None else self.model).model.layers
+        for layer in layers:
             fully_shard(layer, mesh=over, mp_policy=policy)
         fully_shard(self.model, mesh=over, mp_policy=policy)
         # The loss is already normalised by the whole minibatch's tokens: sum, not mean, and
         # by a plain SUM, which every backend has (a divide factor is NCCL's PREMUL_SUM). Each
         # fully_shard'ed module reduces its own parameters: every one is told, not the root alone.
-        for module in (*self.model.model.layers, self.model):
+        for module in (*layers, self.model):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=self.learn.lr)
+        self.opt = torch.optim.Adam(self.trainable(), lr=self.learn.lr)
         self.sharded = True
 
     def join_group(self, address: str, rank: int, size: int, timeout_s: float) -> None:
@@ -284,7 +296,8 @@ class TorchTrainBackend(TrainBackend):
     # ---- weights ------------------------------------------------------------------------
 
     def weights(self) -> dict[str, np.ndarray]:
-        """Float32 numpy copies under the names ``save_pretrained`` writes (a tied lm_head once).
+        """Float32 numpy copies under the names ``save_pretrained`` writes (a tied lm_head once);
+        with ``trainer.lora`` the adapter's tensors alone (``parameters``).
         Sharded (FSDP2), every rank must call it at once: the full tensors are gathered."""
         return {n: t.numpy() for n, t in self.weights_as("float32").items()}
 
@@ -301,10 +314,17 @@ class TorchTrainBackend(TrainBackend):
             return out
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        """The live parameters, no copy, under the names ``save_pretrained`` writes (a tied
-        lm_head once): their names, shapes and dtypes (sharded: each a DTensor of the whole
-        shape). Read under ``lock``."""
+        """What a weight sync moves and a checkpoint keeps: the live parameters, no copy, under
+        the names ``save_pretrained`` writes (a tied lm_head once); with ``trainer.lora`` the
+        adapter's tensors alone, under their sync names (core/real/lora.py), the base being
+        the model directory's. Sharded: each a DTensor of the whole shape. Read under ``lock``."""
+        if self.lora is not None:
+            return adapter_parameters(self.model)
         return dict(self.model.named_parameters())
+
+    def trainable(self) -> list[torch.Tensor]:
+        """The parameters Adam updates: all of them, or the adapter's (the base frozen)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def export(self) -> GatheredParameters:
         """What a weight sync reads, by name in ``parameters`` order: the live parameters, or,
@@ -321,7 +341,7 @@ class TorchTrainBackend(TrainBackend):
         if self.sharded:
             raise ValueError("a sharded trainer restores through load_shards, on every rank at once")
         with self._lock, torch.no_grad():
-            params = dict(self.model.named_parameters())
+            params = self.parameters()
             missing = params.keys() - weights.keys()
             extra = weights.keys() - params.keys()
             if missing or extra:
@@ -340,7 +360,7 @@ class TorchTrainBackend(TrainBackend):
             return {}
         with self._lock, torch.no_grad():
             opt = {}
-            for n, p in self.model.named_parameters():
+            for n, p in self.parameters().items():
                 st = self.opt.state.get(p)
                 if st:
                     for k, v in st.items():
@@ -363,7 +383,7 @@ class TorchTrainBackend(TrainBackend):
         if tensors is not None:
             self.load_weights(tensors["weights"])
             with self._lock, torch.no_grad():
-                params = dict(self.model.named_parameters())
+                params = self.parameters()
                 self.opt.state.clear()
                 for key, v in tensors["optimizer"].items():
                     name, _, k = key.partition("::")
@@ -385,7 +405,7 @@ class TorchTrainBackend(TrainBackend):
             if not float(has):
                 self.opt.state.clear()
                 return
-            for p in params:
+            for p in self.trainable():
                 st = self._adam_state(p)
                 ranks.broadcast_([st["step"], st["exp_avg"], st["exp_avg_sq"]])
 
@@ -405,8 +425,10 @@ class TorchTrainBackend(TrainBackend):
         would make it, so a checkpoint always has the same tensors."""
         out: dict[str, torch.Tensor] = {}
         for n, p in self.model.named_parameters():
-            st = self._adam_state(p)
             out[n] = p.data
+            if not p.requires_grad:  # a frozen LoRA base: no optimizer state
+                continue
+            st = self._adam_state(p)
             for k in ("step", "exp_avg", "exp_avg_sq"):
                 out[f"{n}::{k}"] = st[k]
         return out
@@ -507,7 +529,7 @@ class TorchTrainBackend(TrainBackend):
         ranks = self.ranks
         comm0 = ranks.comm_s
         correction = self.learn.correction
-        params = list(self.model.parameters())
+        params = self.trainable()
         with self._lock:
             batches = [self._batch(mb) if len(mb) else None for mb in parts]
             prox: list[Optional[torch.Tensor]] = [None] * len(batches)

@@ -49,7 +49,7 @@ def make_engine(sc: Scenario, name: str, threads: int, timeline: Optional[Timeli
     if sc.engine.kind == "torch":
         from core.real.engine_torch import TorchEngine  # imports torch: only a real run pays for it
 
-        return TorchEngine(name, sc.real_model_path, **common)
+        return TorchEngine(name, sc.real_model_path, lora=sc.trainer.lora, **common)
     if sc.engine.kind == "vllm":
         return VllmEngine(
             name,
@@ -71,7 +71,8 @@ def make_backend(sc: Scenario, threads: int):
 
     dev = device()
     backend = TorchTrainBackend(
-        sc.real_model_path, sc.learn, threads=threads, device=dev, seed=sc.seed, temperature=sc.engine.temperature
+        sc.real_model_path, sc.learn, threads=threads, device=dev, seed=sc.seed, temperature=sc.engine.temperature,
+        lora=sc.trainer.lora,
     )
     if sc.learn.sharding == "fsdp2" and sc.ray.trainer_ranks == 1:
         backend.join(RankGroup.alone(dev, sc.timeouts.restart_s))
@@ -81,7 +82,8 @@ def make_backend(sc: Scenario, threads: int):
 
 class LocalWeightTransfer:
     """In one process the engines load a copy of the trainer's weights in their own dtype, cast
-    as a broadcast casts them: no transfer but the copy. ``bytes``: the latest sync's."""
+    as a broadcast casts them: no transfer but the copy (with ``trainer.lora``, of the adapter's
+    tensors alone). ``bytes``: the latest sync's, as a broadcast would move them."""
 
     def __init__(self, backend: Any, dtype: str) -> None:
         self.backend = backend

@@ -9,13 +9,33 @@ import math
 
 import numpy as np
 
-from core.model.config import ModelSpec, Scenario, kv_capacity_tokens
+from core.model.config import LoraSpec, ModelSpec, Scenario, kv_capacity_tokens
 
 
 def matmul_params(m: ModelSpec) -> float:
     """Parameters a token is multiplied by: all but an untied input embedding, which is a lookup."""
     embedding = m.vocab * m.hidden if m.vocab is not None and not m.tied_embeddings else 0
     return m.params_b * 1e9 - embedding
+
+
+def adapter_params(m: ModelSpec, lora: LoraSpec) -> float:
+    """Numbers in a LoRA adapter: A (r x in) and B (out x r) per targeted matrix per layer,
+
+        layers * sum over targets of r * (in + out)
+
+    with q_proj, o_proj hidden x hidden (heads x head_dim = hidden, as in Qwen2.5 and Llama),
+    k_proj, v_proj hidden -> kv_heads x head_dim, gate_proj, up_proj hidden -> intermediate,
+    down_proj intermediate -> hidden."""
+    h, kv, i = m.hidden, m.kv_heads * m.head_dim, m.intermediate
+    sides = {"q_proj": h + h, "k_proj": h + kv, "v_proj": h + kv, "o_proj": h + h,
+             "gate_proj": h + i, "up_proj": h + i, "down_proj": i + h}
+    return float(m.layers * sum(lora.rank * sides[t] for t in lora.targets))
+
+
+def synced_params(sc: Scenario) -> float:
+    """What a weight sync moves, in numbers: every parameter, or with ``trainer.lora`` the adapter's."""
+    lora = sc.trainer.lora
+    return sc.model.params_b * 1e9 if lora is None else adapter_params(sc.model, lora)
 
 
 def allreduce_s(sc: Scenario, gpus: int, tokens: float) -> float:
@@ -172,11 +192,16 @@ class TransferCost:
         latency + n_buckets * overhead + max(wire, load) + bucket / max(bandwidth, load rate)
 
     ``object_store``: float32 copies put once and resolved, written and reloaded by every engine
-    at once, at ``sync.object_store_gb_s`` of float32 bytes (measured on this code)."""
+    at once, at ``sync.object_store_gb_s`` of float32 bytes (measured on this code).
+
+    The bytes are the synced numbers (``synced_params``) at the dtype: every parameter, or with
+    ``trainer.lora`` only the adapter's, ``adapter_params`` (the engines merge it into base
+    weights they already hold; the merge itself is not priced). A colocated switch still moves
+    the trainer's state and the engine's weights aside and back: those do not shrink."""
 
     def __init__(self, sc: Scenario, colocated: bool) -> None:
         s, m, g = sc.sync, sc.model, sc.gpu
-        params = m.params_b * 1e9
+        params = synced_params(sc)
         self.bytes = params * m.dtype_bytes
         self.switch_s = colocated_switch_s(sc) if colocated else 0.0
         self.latency_s = s.latency_s + self.switch_s
