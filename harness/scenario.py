@@ -9,6 +9,7 @@ from __future__ import annotations
 import codecs
 import copy
 import difflib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -135,9 +136,13 @@ def _model_at(loc: tuple, root: type[BaseModel] = Scenario) -> type[BaseModel] |
     model: type[BaseModel] = root
     for part in loc:
         field = model.model_fields.get(str(part))
-        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+        if field is None:
             return None
-        model = field.annotation
+        # An optional section (``filter``, ``agent``, ``trainer.lora``): the model inside Optional.
+        kinds = [a for a in typing.get_args(field.annotation) if a is not type(None)] or [field.annotation]
+        if len(kinds) != 1 or not (isinstance(kinds[0], type) and issubclass(kinds[0], BaseModel)):
+            return None
+        model = kinds[0]
     return model
 
 

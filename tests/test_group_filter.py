@@ -118,3 +118,15 @@ def test_overprovisioned_surplus_is_resumed_in_partial_and_dropped_in_async():
     # Async: the cut surplus is dropped, never trained, its tokens counted as waste.
     assert a15["samples/dropped_overprovision_cut"] > 0 and a15["partial/interrupts"] == 0
     assert a15["tokens/wasted"] > a1["tokens/wasted"]
+
+
+def test_a_misspelt_key_in_an_optional_section_gets_a_suggestion(tmp_path):
+    from harness.scenario import ScenarioError, load
+
+    path = tmp_path / "s.yaml"
+    path.write_text("filter: {min_pas_rate: 0.5}\n")
+    with pytest.raises(ScenarioError, match=r"filter\.min_pas_rate = 0\.5: unknown key; fix: remove it; did you mean 'min_pass_rate'\?"):
+        load(path)
+    path.write_text("trainer: {lora: {bogus: 1}}\n")
+    with pytest.raises(ScenarioError, match=r"known keys here: rank, alpha, targets"):
+        load(path)
