@@ -217,6 +217,19 @@ class ModelSpec(_Frozen):
     max_positions: Optional[int] = Field(None, ge=1, le=MAX_TOKENS)
     """Longest prompt + response the model takes (config.json max_position_embeddings), read
     from ``path``. None: not checked."""
+    heads: Optional[int] = Field(None, ge=1, le=MAX_DIM)
+    """Query heads (config.json num_attention_heads): attention's width is heads x head_dim,
+    which prices the quadratic attention term of prefill and training. None: the width is
+    ``hidden`` (true of Qwen2.5 and Llama; Qwen3's MoE models are twice as wide)."""
+    experts: int = Field(1, ge=1, le=MAX_DIM)
+    """Routed experts per MoE layer (Qwen3-30B-A3B config.json: num_experts 128). 1: a dense model."""
+    experts_per_token: int = Field(1, ge=1, le=MAX_DIM)
+    """Routed experts each token goes to, top-k (Qwen3-30B-A3B: num_experts_per_tok 8)."""
+    expert_params_b: float = Field(0.0, ge=0)
+    """Parameters of one routed expert, all MoE layers together, in billions: for a gated MLP,
+    3 x hidden x moe_intermediate_size x MoE layers (Qwen3-30B-A3B: 3 x 2048 x 768 x 48 =
+    0.2265). Counted in ``params_b``; what is not routed (attention, embeddings, a shared
+    expert, the router) every token multiplies. 0: a dense model."""
 
     @model_validator(mode="after")
     def _from_path(self) -> "ModelSpec":
@@ -231,11 +244,27 @@ class ModelSpec(_Frozen):
             if key in given and not _agrees(getattr(self, key), value):
                 shown = f"{value:.4g}" if key == "params_b" else repr(value)
                 raise ConfigError(f"model.{key}", getattr(self, key), f"model.path {self.path} says {shown}", f"remove model.{key}, or set it to {shown}")
+        if "params_b" not in given and figures.params is None and figures.params_estimate is None:
+            raise ConfigError("model.params_b", self.params_b, f"model.path {self.path} has no weights to count and its figures "
+                              "do not give the count (a mixture of experts, or no intermediate_size)",
+                              "set model.params_b from the model card")
         read = {**figures.defaults(), **figures.stated()}
         for key, value in read.items():
             if key not in given:
                 # Filled in, not set: a copy with another model.path (with_changes) reads that directory's.
                 object.__setattr__(self, key, value)
+        return self
+
+    @model_validator(mode="after")
+    def _experts(self) -> "ModelSpec":
+        k, e = self.experts_per_token, self.experts
+        if k > e:
+            raise ConfigError("model.experts_per_token", k, f"is more than model.experts = {e}", f"use at most {e}")
+        routed = e * self.expert_params_b
+        if routed >= self.params_b:
+            raise ConfigError("model.expert_params_b", self.expert_params_b,
+                              f"{e} experts of it make {routed:.4g} B, not less than model.params_b = {self.params_b}",
+                              "give one expert's parameters over all MoE layers, in billions")
         return self
 
 

@@ -94,6 +94,12 @@ class ModelFigures:
     vocab: int
     intermediate: Optional[int]
     """The gated MLP's width; None where config.json does not say."""
+    heads: int
+    experts: int
+    """Routed experts per MoE layer; 1 for a dense model."""
+    experts_per_token: int
+    expert_params_b: float
+    """One routed expert's parameters over every MoE layer, in billions; 0 for a dense model."""
     tied_embeddings: Optional[bool]
     """None: neither config.json nor the weights say."""
     params: Optional[int]
@@ -107,7 +113,10 @@ class ModelFigures:
 
     def stated(self) -> dict:
         """What the directory states exactly: an explicit value in the scenario must agree."""
-        out = {"layers": self.layers, "hidden": self.hidden, "kv_heads": self.kv_heads, "head_dim": self.head_dim, "vocab": self.vocab}
+        out = {"layers": self.layers, "hidden": self.hidden, "kv_heads": self.kv_heads, "head_dim": self.head_dim, "vocab": self.vocab,
+               "heads": self.heads}
+        if self.experts > 1:
+            out.update(experts=self.experts, experts_per_token=self.experts_per_token, expert_params_b=self.expert_params_b)
         if self.intermediate is not None:
             out["intermediate"] = self.intermediate
         if self.tied_embeddings is not None:
@@ -152,6 +161,7 @@ def read_model_dir(path: str | Path) -> ModelFigures:
     if dtype_bytes is None and tensors:
         dtypes = [d for _, d in tensors.values()]
         dtype_bytes = DTYPE_BYTES.get(max(set(dtypes), key=dtypes.count))
+    experts, per_token, expert_params = _experts(cfg, layers, hidden)
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int) and not isinstance(e, bool))
     return ModelFigures(
@@ -162,6 +172,10 @@ def read_model_dir(path: str | Path) -> ModelFigures:
         head_dim=head_dim,
         vocab=vocab,
         intermediate=_optional_int(cfg.get("intermediate_size")),
+        heads=heads,
+        experts=experts,
+        experts_per_token=per_token,
+        expert_params_b=expert_params / 1e9,
         tied_embeddings=tied,
         params=params,
         params_estimate=_estimate(cfg, layers, heads, hidden, kv_heads, head_dim, vocab, bool(tied)),
@@ -429,6 +443,28 @@ def _kind(value: object) -> str:
     if isinstance(value, bool):
         return "true/false"
     return {dict: "an object", list: "a list", str: "a string", int: "a number", float: "a number"}.get(type(value), type(value).__name__)
+
+
+def _experts(cfg: dict, layers: int, hidden: int) -> tuple[int, int, float]:
+    """(routed experts, experts per token, one expert's parameters over every MoE layer) of a
+    mixture-of-experts config (Qwen2/3-MoE: num_experts, moe_intermediate_size,
+    decoder_sparse_step, mlp_only_layers; DeepSeek: n_routed_experts, first_k_dense_replace;
+    Mixtral: num_local_experts, intermediate_size); (1, 1, 0.0) for a dense one. Each expert a
+    gated MLP: 3 x hidden x its width."""
+    experts = _int(cfg, "num_experts", "n_routed_experts", "num_local_experts", default=1)
+    if experts <= 1:
+        return 1, 1, 0.0
+    per_token = _int(cfg, "num_experts_per_tok", "moe_top_k", default=...)
+    if per_token > experts:
+        raise ModelDirError(f"config.json: num_experts_per_tok = {per_token} is more than the {experts} experts")
+    width = _int(cfg, "moe_intermediate_size", "intermediate_size", default=...)
+    dense_first = cfg.get("first_k_dense_replace", 0)
+    step = cfg.get("decoder_sparse_step", 1)
+    only_mlp = cfg.get("mlp_only_layers") or []
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (dense_first, step)) or not isinstance(only_mlp, list):
+        raise ModelDirError("config.json: first_k_dense_replace, decoder_sparse_step or mlp_only_layers is not a layer count or list")
+    moe_layers = sum(1 for i in range(layers) if i >= dense_first and i not in only_mlp and (step <= 1 or (i + 1) % step == 0))
+    return experts, per_token, 3.0 * hidden * width * moe_layers
 
 
 def _estimate(cfg: dict, layers: int, heads: int, hidden: int, kv_heads: int, head_dim: int, vocab: int, tied: bool) -> Optional[int]:

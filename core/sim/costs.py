@@ -18,6 +18,22 @@ def matmul_params(m: ModelSpec) -> float:
     return m.params_b * 1e9 - embedding
 
 
+def routed_params(m: ModelSpec) -> float:
+    """Parameters of every routed expert of a mixture-of-experts model (0 for a dense one)."""
+    return m.experts * m.expert_params_b * 1e9
+
+
+def active_params(m: ModelSpec) -> float:
+    """Matmul parameters one token is multiplied by: all but the untied input embedding and the
+    routed experts it is not sent to (a dense model's ``matmul_params``)."""
+    return matmul_params(m) - routed_params(m) + m.experts_per_token * m.expert_params_b * 1e9
+
+
+def attention_width(m: ModelSpec) -> int:
+    """Query heads x head_dim (``model.heads``), or ``hidden`` where the heads are not given."""
+    return m.heads * m.head_dim if m.heads is not None else m.hidden
+
+
 def adapter_params(m: ModelSpec, lora: LoraSpec) -> float:
     """Numbers in a LoRA adapter: A (r x in) and B (out x r) per targeted matrix per layer,
 
@@ -52,26 +68,35 @@ def allreduce_s(sc: Scenario, gpus: int, tokens: float) -> float:
 class DecodeCost:
     """Time of one continuous-batching decode step of one engine.
 
-    step(B, C) = overhead + max(weights / bw, B * 2P / flops) + allreduce(B) + C * kv_bytes / bw,
+    step(B, C) = overhead + max(weights(B) / bw, B * 2P / flops) + allreduce(B) + C * kv_bytes / bw,
     with B running sequences holding C context tokens in all: the weights are read once
     per step, every running sequence's KV cache is read once per step. P counts the matmul
-    weights (``matmul_params``); allreduce(B) is the tensor-parallel term, 0 on one GPU.
+    weights one token is multiplied by (``active_params``); allreduce(B) is the
+    tensor-parallel term, 0 on one GPU.
+
+    weights(B): every matmul weight of a dense model. Of a mixture of experts, what is not
+    routed plus the experts the step's B tokens touch: each token picks k of E experts per
+    layer, so a layer reads E (1 - (1 - k/E)^B) distinct experts in expectation (routing
+    taken as uniform; a skewed router touches fewer).
     """
 
     def __init__(self, sc: Scenario, gpus: int, colocated: bool = False) -> None:
         m, g, r = sc.model, sc.gpu, sc.rollout
         bw = g.hbm_gb_s * 1e9 * g.hbm_efficiency * gpus
         flops = g.bf16_tflops * 1e12 * gpus
-        self.params = matmul_params(m)
+        self.params = active_params(m)
         self.overhead_s = r.decode_overhead_s
-        self.weights_s = self.params * m.dtype_bytes / bw
+        routed = routed_params(m)
+        self.weights_s = (matmul_params(m) - routed) * m.dtype_bytes / bw  # all of them for a dense model
+        self.experts_s = routed * m.dtype_bytes / bw  # every routed expert, read if every one is touched
+        self._miss = 1.0 - m.experts_per_token / m.experts  # the chance a token skips a given expert
         self.per_seq_compute_s = 2.0 * self.params / (flops * r.decode_mfu)
         # allreduce(B) = fixed + B * per_seq: linear in the batch, one token per sequence.
         self.allreduce_fixed_s = allreduce_s(sc, gpus, 0.0)
         self.allreduce_per_seq_s = allreduce_s(sc, gpus, 1.0) - self.allreduce_fixed_s
         self.kv_bytes_per_token = 2 * m.layers * m.kv_heads * m.head_dim * m.dtype_bytes
         self.kv_s_per_token = self.kv_bytes_per_token / bw
-        self._attn = 2.0 * m.layers * m.hidden
+        self._attn = 2.0 * m.layers * attention_width(m)
         self._prefill_flops = flops * r.prefill_mfu
         # Calibrated (harness/calibrate.py): measured coefficients replace the roofline terms.
         cal = sc.calibrated
@@ -82,20 +107,28 @@ class DecodeCost:
             scale = 1.0 if colocated == fitted_colocated else (
                 1.0 / cal.separated_decode_speedup if fitted_colocated else cal.separated_decode_speedup)
             self.overhead_s, self.weights_s, self.per_seq_compute_s = cal.decode_overhead_s * scale, 0.0, cal.decode_per_seq_s * scale
+            self.experts_s = 0.0
             self.allreduce_fixed_s = self.allreduce_per_seq_s = 0.0
             self.kv_s_per_token = cal.decode_kv_s_per_token * scale
             self.prefill_s_per_token = cal.prefill_s_per_token * scale
         # KV tokens the engine holds (core/sim/engine.py preempts when they run out).
         self.kv_capacity_tokens = kv_capacity_tokens(sc, gpus)
 
+    def read_s(self, running: float) -> float:
+        """Seconds to read the weights a step of ``running`` sequences multiplies by."""
+        if not self.experts_s:
+            return self.weights_s
+        return self.weights_s + self.experts_s * (1.0 - self._miss**running)
+
     def base_s(self, running: int) -> float:
         """The part of a step that does not grow with context."""
-        return (self.overhead_s + max(self.weights_s, running * self.per_seq_compute_s)
+        return (self.overhead_s + max(self.read_s(running), running * self.per_seq_compute_s)
                 + self.allreduce_fixed_s + running * self.allreduce_per_seq_s)
 
     def base_s_many(self, running: np.ndarray) -> np.ndarray:
         """``base_s`` of many (possibly fractional) running counts at once."""
-        return (self.overhead_s + np.maximum(self.weights_s, running * self.per_seq_compute_s)
+        read = self.weights_s + self.experts_s * (1.0 - self._miss**running) if self.experts_s else self.weights_s
+        return (self.overhead_s + np.maximum(read, running * self.per_seq_compute_s)
                 + self.allreduce_fixed_s + running * self.allreduce_per_seq_s)
 
     def step_s(self, running: int, context_tokens: float) -> float:
@@ -123,11 +156,11 @@ class TrainCost:
 
     def __init__(self, sc: Scenario, gpus: int, recompute_logprobs: bool = False, colocated: bool = False) -> None:
         m, t = sc.model, sc.trainer
-        self.params = matmul_params(m)
+        self.params = active_params(m)
         # What the algorithm needs (model FLOPs), and what the GPUs run (activation recompute too).
         self.model_passes = 4.0 if recompute_logprobs else 3.0
         self.passes = self.model_passes + (1.0 if t.activation_recompute else 0.0)
-        self._attn = 2.0 * self.passes * m.layers * m.hidden
+        self._attn = 2.0 * self.passes * m.layers * attention_width(m)
         self.peak_flops = gpus * sc.gpu.bf16_tflops * 1e12
         mfu = t.colocated_mfu if colocated and t.colocated_mfu is not None else t.mfu
         self.flops = self.peak_flops * mfu

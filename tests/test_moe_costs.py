@@ -1,0 +1,115 @@
+"""Mixture-of-experts models in the sim's cost model: decode reads the experts a step's tokens
+touch, compute and training use the active parameters, a weight sync moves every expert."""
+
+import math
+
+import pytest
+
+from core.model.config import ConfigError, ModelSpec, Scenario, with_changes
+from core.runtimes.dispatch import run_mode
+from core.sim.costs import DecodeCost, TrainCost, TransferCost, active_params
+from harness.metrics import collect
+
+# Qwen3-30B-A3B (config.json: 48 layers, hidden 2048, 32 query / 4 KV heads of 128, 128 experts,
+# top 8, moe_intermediate_size 768, vocab 151,936 untied; 30.5 B parameters).
+QWEN3_30B_A3B = {
+    "name": "Qwen3-30B-A3B", "params_b": 30.53, "layers": 48, "hidden": 2048, "heads": 32, "kv_heads": 4, "head_dim": 128,
+    "vocab": 151936, "experts": 128, "experts_per_token": 8, "expert_params_b": 3 * 2048 * 768 * 48 / 1e9,
+}
+
+
+def scenario(model: dict, **changes) -> Scenario:
+    sc = Scenario.model_validate({
+        "resources": {"rollout_gpus": 4, "trainer_gpus": 4},
+        "workload": {"group_size": 8, "response_median": 600, "max_response_len": 4096},
+        "trainer": {"batch_size": 64, "steps": 12, "sync_every": 2},
+        "model": model,
+    })
+    return with_changes(sc, changes)
+
+
+def test_a_dense_model_described_as_one_expert_gives_the_dense_figures():
+    dense = scenario({})
+    # Qwen2.5-7B's MLP as one "expert" that every token is routed to.
+    one = scenario({"experts": 1, "experts_per_token": 1, "expert_params_b": 3 * 3584 * 18944 * 28 / 1e9})
+    d, o = DecodeCost(dense, 1), DecodeCost(one, 1)
+    for running in (1, 7, 64, 256):
+        assert math.isclose(o.step_s(running, running * 900.0), d.step_s(running, running * 900.0), rel_tol=1e-12)
+    assert math.isclose(o.prefill_s(100, 1600), d.prefill_s(100, 1600), rel_tol=1e-12)
+    assert math.isclose(TrainCost(one, 8).step_s(5e5, 4e8), TrainCost(dense, 8).step_s(5e5, 4e8), rel_tol=1e-12)
+    assert TransferCost(one, False).seconds() == TransferCost(dense, False).seconds()
+    for mode in ("sync", "partial"):
+        a, b = collect(run_mode(dense, mode)), collect(run_mode(one, mode))
+        assert math.isclose(a["throughput/trained_tokens_per_s"], b["throughput/trained_tokens_per_s"], rel_tol=1e-9)
+        assert a["samples/trained"] == b["samples/trained"]
+
+
+def test_a_moe_decode_step_is_the_hand_formula():
+    """Qwen3-30B-A3B on one H100 (3.35 TB/s at 80 %, 989 TFLOP/s): a step of B sequences reads
+    what is not routed, plus E (1 - (1 - k/E)^B) experts per layer, plus the KV it holds."""
+    sc = scenario(QWEN3_30B_A3B, **{"gpu.hbm_gb_s": 3350.0, "gpu.bf16_tflops": 989.0})
+    cost = DecodeCost(sc, 1)
+    bw = 3350e9 * 0.8
+    expert = 3 * 2048 * 768 * 48  # one expert, every layer
+    embedding = 151936 * 2048
+    dense = 30.53e9 - embedding - 128 * expert
+    for b in (1, 10, 64, 256):
+        touched = 128 * (1 - (1 - 8 / 128) ** b)
+        read = (dense + touched * expert) * 2 / bw
+        compute = b * 2 * (dense + 8 * expert) / (989e12 * 0.5)
+        kv = b * 2500 * (2 * 48 * 4 * 128 * 2) / bw
+        assert math.isclose(cost.step_s(b, b * 2500.0), 0.002 + max(read, compute) + kv, rel_tol=1e-12)
+    # Ten sequences touch about 61 of 128 experts: the step reads well under the whole model.
+    assert cost.read_s(10) < 0.6 * cost.read_s(10_000)
+    assert math.isclose(active_params(sc.model), dense + 8 * expert)
+
+
+def test_training_and_prefill_multiply_active_parameters_and_the_attention_width():
+    sc = scenario(QWEN3_30B_A3B)
+    active = active_params(sc.model)
+    width = 32 * 128  # twice the hidden size
+    train = TrainCost(sc, 8)
+    assert math.isclose(train.sample_flops(1000.0, 1e6), 2 * 3 * active * 1000 + 2 * 3 * 48 * width * 1e6, rel_tol=1e-12)
+    pre = DecodeCost(sc, 1)
+    flops = 2 * active * 1500 + 2 * 48 * width * (1600**2 - 100**2)
+    assert math.isclose(pre.prefill_s(100, 1600), flops / (148e12 * 0.5), rel_tol=1e-12)
+    # A weight sync moves every expert, not the active ones.
+    assert TransferCost(sc, False).bytes == 30.53e9 * 2
+
+
+@pytest.mark.parametrize("model, key", [
+    ({"experts": 8, "experts_per_token": 9}, "model.experts_per_token"),
+    ({"experts": 128, "expert_params_b": 0.5}, "model.expert_params_b"),
+])
+def test_experts_that_cannot_be_are_refused_by_key(model, key):
+    with pytest.raises((ConfigError, ValueError), match=key.replace(".", r"\.")):
+        ModelSpec.model_validate(model)
+
+
+def test_a_moe_model_directory_gives_its_experts(tmp_path):
+    """config.json alone (a model not downloaded): Qwen3-MoE's and DeepSeek's keys. Without
+    weights to count, a MoE's parameter count must be given."""
+    import json
+
+    qwen = {"hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_attention_heads": 32,
+            "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+            "num_hidden_layers": 48, "vocab_size": 151936, "tie_word_embeddings": False, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "torch_dtype": "bfloat16"}
+    (tmp_path / "q").mkdir()
+    (tmp_path / "q" / "config.json").write_text(json.dumps(qwen))
+    with pytest.raises(ValueError, match=r"model\.params_b = 7\.62: .* has no weights to count.*fix: set model\.params_b"):
+        ModelSpec(path=str(tmp_path / "q"))
+    m = ModelSpec(path=str(tmp_path / "q"), params_b=30.53)
+    assert (m.heads, m.experts, m.experts_per_token) == (32, 128, 8)
+    assert math.isclose(m.expert_params_b, QWEN3_30B_A3B["expert_params_b"])
+    deepseek = {"hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_attention_heads": 128,
+                "num_key_value_heads": 128, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+                "first_k_dense_replace": 3, "num_hidden_layers": 61, "vocab_size": 129280, "head_dim": 56}
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.json").write_text(json.dumps(deepseek))
+    d = ModelSpec(path=str(tmp_path / "d"), params_b=671.0)
+    assert (d.experts, d.experts_per_token) == (256, 8)
+    assert math.isclose(d.expert_params_b, 3 * 7168 * 2048 * 58 / 1e9)  # the first three layers are dense
+    # A dense directory gives no experts.
+    dense = ModelSpec(path="models/tiny-qwen2")
+    assert (dense.experts, dense.expert_params_b) == (1, 0.0)
