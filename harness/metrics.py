@@ -18,7 +18,7 @@ from core.model.config import LearnSpec
 from core.model.result import RunResult
 from core.model.timeline import GENERATE
 from core.sim.bound import Bound, pipeline_bound, step_draws, trained_lengths, trained_order
-from core.sim.costs import matmul_params
+from core.sim.costs import active_params
 from core.sim.workload import Workload
 
 # Keys whose values depend on the machine, not on the scenario and seed.
@@ -274,7 +274,8 @@ def implied_mfu(result: RunResult) -> dict[str, float | None]:
     """Model FLOPs done over the GPU-seconds each role was busy, at BF16 peak: what the run's
     times imply about its GPUs. The trainer counts what the algorithm needs (forward, backward
     and a log-prob forward where the mode recomputes them; no activation recompute, as MFU is
-    usually stated); the engines 2 x matmul parameters per token generated or prefilled
+    usually stated); the engines 2 x the matmul parameters a token is multiplied by (a mixture of
+    experts' active ones) per token generated or prefilled
     (attention left out). The engines' figure is the sim's only (a real run's engines serve a
     model the scenario's ``model:`` does not describe)."""
     be, sc, place = result.trainer, result.scenario, result.placement
@@ -283,7 +284,7 @@ def implied_mfu(result: RunResult) -> dict[str, float | None]:
     busy_gpu_s = sum(e.busy_s for e in result.engines) * place.gpus_per_engine
     if sc.runtime == "sim" and busy_gpu_s:
         tokens = sum(e.tokens_generated + e.prefill_tokens for e in result.engines)
-        rollout = 2.0 * matmul_params(sc.model) * tokens / (busy_gpu_s * sc.gpu.bf16_tflops * 1e12)
+        rollout = 2.0 * active_params(sc.model) * tokens / (busy_gpu_s * sc.gpu.bf16_tflops * 1e12)
     return {"util/implied_trainer_mfu": trainer, "util/implied_rollout_mfu": rollout}
 
 

@@ -113,3 +113,21 @@ def test_a_moe_model_directory_gives_its_experts(tmp_path):
     # A dense directory gives no experts.
     dense = ModelSpec(path="models/tiny-qwen2")
     assert (dense.experts, dense.expert_params_b) == (1, 0.0)
+
+
+def test_fp8_rollout_halves_what_an_engine_reads_and_holds_and_quantizes_at_each_sync():
+    bf16 = scenario(QWEN3_30B_A3B)
+    fp8 = with_changes(bf16, {"engine.dtype": "fp8"})
+    b, f = DecodeCost(bf16, 1), DecodeCost(fp8, 1)
+    assert f.read_s(10) == pytest.approx(b.read_s(10) / 2) and f.kv_s_per_token == b.kv_s_per_token
+    assert f.kv_capacity_tokens > b.kv_capacity_tokens  # the weights take half the memory
+    # No gpu.fp8_tflops: the GEMMs run at the BF16 peak, only the bytes halve.
+    assert f.per_seq_compute_s == b.per_seq_compute_s and f.prefill_s(0, 2000) == pytest.approx(b.prefill_s(0, 2000))
+    # The sync moves the model's dtype and quantizes after: per weight two bf16 reads and a byte written.
+    quantize = 30.53e9 * 5 / (4000e9 * 0.8)
+    assert TransferCost(fp8, False).bytes == TransferCost(bf16, False).bytes
+    assert TransferCost(fp8, False).seconds() == pytest.approx(TransferCost(bf16, False).seconds() + quantize)
+    fast = with_changes(fp8, {"gpu.fp8_tflops": 296.0})
+    assert DecodeCost(fast, 1).per_seq_compute_s == pytest.approx(b.per_seq_compute_s / 2)
+    with pytest.raises(ValueError, match=r"engine\.dtype = 'fp8': FP8 rollout is modelled by the sim"):
+        Scenario.model_validate({"runtime": "local", "engine": {"kind": "torch", "dtype": "fp8"}})

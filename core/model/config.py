@@ -286,6 +286,10 @@ class GpuSpec(_Frozen):
     """Peak memory bandwidth in GB/s (NVIDIA H20 datasheet: 4.0 TB/s HBM3)."""
     bf16_tflops: float = Field(148.0, gt=0)
     """Dense BF16 peak in TFLOP/s (NVIDIA H20 datasheet: 148)."""
+    fp8_tflops: Optional[float] = Field(None, gt=0)
+    """Dense FP8 peak in TFLOP/s (NVIDIA H20 datasheet: 296; H100 SXM: 1,979), what the GEMMs of
+    an ``engine.dtype: fp8`` rollout reach. None: FP8 GEMMs run at the BF16 peak (only the
+    bytes halve), the conservative reading of what FP8 buys."""
     hbm_efficiency: float = Field(0.8, gt=0, le=1)
     """Fraction of peak bandwidth a decode kernel reaches (typical for large streaming reads on HBM3)."""
     nvlink_gb_s: float = Field(450.0, gt=0)
@@ -690,9 +694,13 @@ class EngineSpec(_Frozen):
     """vLLM on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."""
     vllm_gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """vLLM on GPU: fraction of device memory the engine may take."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8"] = "auto"
     """The engines' parameter dtype, which the weights are sent in. `auto`: the model's own (its
-    config.json's torch_dtype; the tiny model is saved as float32). The trainer keeps float32."""
+    config.json's torch_dtype; the tiny model is saved as float32). The trainer keeps float32.
+    `fp8` (the sim only): FP8 rollout with the trainer in the model's dtype, as verl and slime
+    run it. The engines hold and read one byte per weight (the KV cache stays in the model's
+    dtype), their GEMMs run at ``gpu.fp8_tflops``, and every sync moves the model's dtype and
+    quantizes on arrival (core/sim/costs.py, ``quantize_s``)."""
 
 
 class LearnSpec(_Frozen):
@@ -1197,6 +1205,9 @@ class Scenario(_Frozen):
                 f"use at most {self.staleness.max_staleness}, or raise staleness.max_staleness",
             )
         kind = self.engine.kind
+        if self.engine.dtype == "fp8" and kind != "sim":
+            raise ConfigError("engine.dtype", "fp8", f"FP8 rollout is modelled by the sim; the {kind} engine does not quantize",
+                              "use bfloat16 (or auto) on real engines")
         if (self.runtime == "sim") != (kind == "sim"):
             fix = "use engine.kind: sim" if self.runtime == "sim" else "use engine.kind: torch or vllm"
             raise ConfigError("engine.kind", kind, f"does not run on runtime {self.runtime}", fix)
@@ -1610,10 +1621,15 @@ def effective_staleness(sc: Scenario, mode: str) -> tuple[int, float]:
     return sc.staleness.max_staleness, sc.lead
 
 
+def engine_weight_bytes(sc: Scenario) -> int:
+    """Bytes per weight an engine holds and reads: one in FP8 rollout, else the model's dtype."""
+    return 1 if sc.engine.dtype == "fp8" else sc.model.dtype_bytes
+
+
 def kv_capacity_tokens(sc: Scenario, gpus: int) -> float:
     """Tokens of KV cache one engine of ``gpus`` GPUs holds: its share of their memory
     (``rollout.gpu_memory_utilization``) less the weights and the activation reserve, over the
     KV bytes of one token (K and V, every layer, every KV head; split over the GPUs as they are)."""
     m, r = sc.model, sc.rollout
-    free = gpus * (sc.gpu.memory_gb * r.gpu_memory_utilization - r.activation_reserve_gb) * 1e9 - m.params_b * 1e9 * m.dtype_bytes
+    free = gpus * (sc.gpu.memory_gb * r.gpu_memory_utilization - r.activation_reserve_gb) * 1e9 - m.params_b * 1e9 * engine_weight_bytes(sc)
     return free / (2 * m.layers * m.kv_heads * m.head_dim * m.dtype_bytes)

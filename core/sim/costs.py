@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from core.model.config import LoraSpec, ModelSpec, Scenario, kv_capacity_tokens
+from core.model.config import LoraSpec, ModelSpec, Scenario, engine_weight_bytes, kv_capacity_tokens
 
 
 def matmul_params(m: ModelSpec) -> float:
@@ -54,6 +54,23 @@ def synced_params(sc: Scenario) -> float:
     return sc.model.params_b * 1e9 if lora is None else adapter_params(sc.model, lora)
 
 
+def engine_gemm_tflops(sc: Scenario) -> float:
+    """The peak an engine's weight GEMMs reach: ``gpu.fp8_tflops`` in FP8 rollout where given, else BF16's."""
+    g = sc.gpu
+    return g.fp8_tflops if sc.engine.dtype == "fp8" and g.fp8_tflops is not None else g.bf16_tflops
+
+
+def quantize_s(sc: Scenario) -> float:
+    """Seconds an FP8 engine takes at each sync to quantize the weights it received in the model's
+    dtype: per weight, one read to find each block's scale, one read and a one-byte write to
+    quantize, at the HBM rate of its GPUs (each holds 1 / gpus_per_engine of them). 0 otherwise."""
+    if sc.engine.dtype != "fp8":
+        return 0.0
+    g, m = sc.gpu, sc.model
+    moved = m.params_b * 1e9 / sc.resources.gpus_per_engine * (2 * m.dtype_bytes + 1)
+    return moved / (g.hbm_gb_s * 1e9 * g.hbm_efficiency)
+
+
 def allreduce_s(sc: Scenario, gpus: int, tokens: float) -> float:
     """Tensor-parallel all-reduces of one forward over ``tokens`` tokens on ``gpus`` GPUs: two
     per layer (after attention and after the MLP) of tokens x hidden activations, a ring moving
@@ -83,12 +100,13 @@ class DecodeCost:
     def __init__(self, sc: Scenario, gpus: int, colocated: bool = False) -> None:
         m, g, r = sc.model, sc.gpu, sc.rollout
         bw = g.hbm_gb_s * 1e9 * g.hbm_efficiency * gpus
-        flops = g.bf16_tflops * 1e12 * gpus
+        flops = engine_gemm_tflops(sc) * 1e12 * gpus
         self.params = active_params(m)
         self.overhead_s = r.decode_overhead_s
         routed = routed_params(m)
-        self.weights_s = (matmul_params(m) - routed) * m.dtype_bytes / bw  # all of them for a dense model
-        self.experts_s = routed * m.dtype_bytes / bw  # every routed expert, read if every one is touched
+        wb = engine_weight_bytes(sc)  # FP8 rollout reads one byte a weight; KV stays in the model's dtype
+        self.weights_s = (matmul_params(m) - routed) * wb / bw  # all of them for a dense model
+        self.experts_s = routed * wb / bw  # every routed expert, read if every one is touched
         self._miss = 1.0 - m.experts_per_token / m.experts  # the chance a token skips a given expert
         self.per_seq_compute_s = 2.0 * self.params / (flops * r.decode_mfu)
         # allreduce(B) = fixed + B * per_seq: linear in the batch, one token per sequence.
@@ -98,6 +116,8 @@ class DecodeCost:
         self.kv_s_per_token = self.kv_bytes_per_token / bw
         self._attn = 2.0 * m.layers * attention_width(m)
         self._prefill_flops = flops * r.prefill_mfu
+        # Attention's matmuls (scores, values) stay in the model's dtype under FP8 weights.
+        self._attn_flops = g.bf16_tflops * 1e12 * gpus * r.prefill_mfu
         # Calibrated (harness/calibrate.py): measured coefficients replace the roofline terms.
         cal = sc.calibrated
         self.prefill_s_per_token: float | None = None
@@ -141,7 +161,10 @@ class DecodeCost:
             return 0.0
         if self.prefill_s_per_token is not None:  # calibrated
             return new * self.prefill_s_per_token
-        flops_s = (2.0 * self.params * new + self._attn * (end * end - start * start)) / self._prefill_flops
+        if self._attn_flops == self._prefill_flops:
+            flops_s = (2.0 * self.params * new + self._attn * (end * end - start * start)) / self._prefill_flops
+        else:  # FP8 weight GEMMs beside attention in the model's dtype
+            flops_s = 2.0 * self.params * new / self._prefill_flops + self._attn * (end * end - start * start) / self._attn_flops
         return flops_s + self.allreduce_fixed_s + new * self.allreduce_per_seq_s
 
 
@@ -230,14 +253,16 @@ class TransferCost:
     The bytes are the synced numbers (``synced_params``) at the dtype: every parameter, or with
     ``trainer.lora`` only the adapter's, ``adapter_params`` (the engines merge it into base
     weights they already hold; the merge itself is not priced). A colocated switch still moves
-    the trainer's state and the engine's weights aside and back: those do not shrink."""
+    the trainer's state and the engine's weights aside and back: those do not shrink.
+    FP8 rollout (``engine.dtype: fp8``) receives the model's dtype and quantizes after
+    (``quantize_s``), once per sync, added to the latency."""
 
     def __init__(self, sc: Scenario, colocated: bool) -> None:
         s, m, g = sc.sync, sc.model, sc.gpu
         params = synced_params(sc)
         self.bytes = params * m.dtype_bytes
         self.switch_s = colocated_switch_s(sc) if colocated else 0.0
-        self.latency_s = s.latency_s + self.switch_s
+        self.latency_s = s.latency_s + self.switch_s + quantize_s(sc)
         self.pipeline_s = 0.0  # bucket overheads and the pipeline's fill, besides bytes / bandwidth
         if colocated:
             self.bandwidth = s.colocated_bandwidth_gb_s * 1e9
