@@ -131,3 +131,12 @@ def test_fp8_rollout_halves_what_an_engine_reads_and_holds_and_quantizes_at_each
     assert DecodeCost(fast, 1).per_seq_compute_s == pytest.approx(b.per_seq_compute_s / 2)
     with pytest.raises(ValueError, match=r"engine\.dtype = 'fp8': FP8 rollout is modelled by the sim"):
         Scenario.model_validate({"runtime": "local", "engine": {"kind": "torch", "dtype": "fp8"}})
+
+
+def test_training_flops_per_token_are_megatrons_for_qwen3_moe():
+    """Megatron-Bridge's model TFLOP/s over its tokens/s (DGX-H100, 4,096 tokens) is the FLOPs per
+    token its accounting gives; the trainer's cost model gives the same, with no efficiency in it."""
+    from bench.moe_published import predictions
+
+    b1 = [(p, q) for what, p, q, _ in predictions() if what.startswith("B1")]
+    assert len(b1) == 2 and all(abs(p / q - 1) < 0.01 for p, q in b1)
