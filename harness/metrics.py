@@ -150,7 +150,10 @@ def collect(
         "tokens/masked_observation": led.observation_tokens,  # of those, context from tools: loss mask 0
         "tokens/prefill": sum(e.prefill_tokens for e in engines),
         "rollout/preemptions": sum(e.preemptions for e in engines),
-        "tokens/recomputed_prefill": sum(e.recomputed_tokens for e in engines),
+        "tokens/recomputed_prefill": (recomputed := sum(e.recomputed_tokens for e in engines)),
+        # Of the prefill the engines did, the share spent again on context that a full KV cache
+        # preempted: long contexts' cost beyond their quadratic attention.
+        "tokens/recomputed_prefill_share": recomputed / prefilled if (prefilled := sum(e.prefill_tokens for e in engines)) else 0.0,
         "rollout/sticky_resumes": sum(e.sticky_resumes for e in engines),
         "rollout/moved_resumes": sum(e.moved_resumes for e in engines),
         "trainer/steps": result.trainer.step,

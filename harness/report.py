@@ -46,6 +46,8 @@ SUMMARY_KEYS = (
     "util/trainer_busy",
     "staleness/mean",
     "staleness/offpolicy_token_share",
+    "rollout/preemptions",
+    "tokens/recomputed_prefill_share",
     "staleness/max",
     "staleness/bound",
     "partial/ratio",
