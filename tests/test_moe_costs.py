@@ -140,3 +140,42 @@ def test_training_flops_per_token_are_megatrons_for_qwen3_moe():
 
     b1 = [(p, q) for what, p, q, _ in predictions() if what.startswith("B1")]
     assert len(b1) == 2 and all(abs(p / q - 1) < 0.01 for p, q in b1)
+
+
+def test_a_moe_runs_sync_and_async_times_are_the_hand_formula():
+    """One group of 8 responses of exactly 500 tokens a step, on one engine of all the rollout
+    GPUs; staleness 0, so async overlaps nothing and both modes are a sum of documented costs:
+    per step the group's prompt prefilled once, 500 decode steps of 8 sequences, one trainer
+    step, and a weight sync between steps."""
+    g = 4  # GPUs per engine; sync colocates 4 + 4 on two engines, the group on one
+    sc = scenario(QWEN3_30B_A3B, **{
+        "resources": {"rollout_gpus": g, "trainer_gpus": g, "gpus_per_engine": g},
+        "workload": {"group_size": 8, "prompt_tokens": 300, "response_median": 500, "response_sigma": 0.0, "max_response_len": 4096},
+        "trainer": {"batch_size": 8, "sync_every": 1, "steps": 3, "step_overhead_s": 1.0},
+        "staleness": {"max_staleness": 0}, "sync": {"transport": "object_store", "latency_s": 0.5, "colocated_switch_s": 2.0},
+    })
+    m, gpu = sc.model, sc.gpu
+    bw, flops = 4000e9 * 0.8 * g, 148e12 * g
+    expert = m.expert_params_b * 1e9
+    dense = m.params_b * 1e9 - m.vocab * m.hidden - 128 * expert  # not routed, the input embedding a lookup
+    active = dense + 8 * expert
+    kv = 2 * 48 * 4 * 128 * 2  # bytes of one token's K and V, every layer
+    width = 32 * 128
+    ring = 2 * (g - 1) / g * 2048 * 2 / (450e9)  # one sequence's all-reduce bytes over NVLink, per all-reduce
+
+    def step(b: int, ctx: float) -> float:
+        touched = 128 * (1 - (1 - 8 / 128) ** b)
+        return 0.002 + max((dense + touched * expert) * 2 / bw, b * 2 * active / (flops * 0.5)) \
+            + 2 * 48 * (1e-5 + b * ring) + ctx * kv / bw
+
+    prefill = (2 * active * 300 + 2 * 48 * width * 300**2) / (flops * 0.5) + 2 * 48 * (1e-5 + 300 * ring)
+    generate = prefill + sum(step(8, 8 * (300 + k)) for k in range(500))
+    tokens = 8 * 800
+    train_flops = 2 * 3 * active * tokens + 2 * 3 * 48 * width * 8 * 800**2
+    for mode, trainer_gpus, transfer in (
+        ("sync", 2 * g, 0.5 + 2.0 + m.params_b * 1e9 * 2 / 400e9),  # colocated: latency, switch, in-node reshard
+        ("async", g, 0.5 + m.params_b * 1e9 * 4 / 0.9e9),  # float32 copies through the object store
+    ):
+        train = 1.0 + train_flops / (trainer_gpus * 148e12 * 0.4)
+        run = run_mode(sc, mode)
+        assert math.isclose(run.end_s, 3 * (generate + train) + 2 * transfer, rel_tol=5e-3), mode
