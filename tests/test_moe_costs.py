@@ -179,3 +179,41 @@ def test_a_moe_runs_sync_and_async_times_are_the_hand_formula():
         train = 1.0 + train_flops / (trainer_gpus * 148e12 * 0.4)
         run = run_mode(sc, mode)
         assert math.isclose(run.end_s, 3 * (generate + train) + 2 * transfer, rel_tol=5e-3), mode
+
+
+def test_expert_parallelism_trades_the_moe_all_reduce_for_two_all_to_alls():
+    g = 4
+    base = scenario(QWEN3_30B_A3B, **{"resources": {"rollout_gpus": 8, "trainer_gpus": 8, "gpus_per_engine": g}})
+    ep = with_changes(base, {"rollout.expert_parallel": g})
+    link = 450e9
+    ring = 2 * (g - 1) / g * 2048 * 2  # bytes of one token's all-reduce
+    a2a = 8 * 2048 * 2 * (g - 1) / g  # one token to its 8 experts, 3 in 4 of them elsewhere
+    for b in (1, 16, 128):
+        tp, moe = DecodeCost(base, g), DecodeCost(ep, g)
+        # Tensor parallel: two all-reduces a layer. Expert parallel: one (attention), and two
+        # all-to-alls of the GPU's b / g tokens (to the experts and back).
+        want = 48 * (1e-5 + b * ring / link) + 2 * 48 * (1e-5 + (b / g) * a2a / link)
+        assert math.isclose(moe.step_s(b, 0.0) - tp.step_s(b, 0.0), want - 2 * 48 * (1e-5 + b * ring / link), rel_tol=1e-9)
+    # The trainer: per token, forward and backward each send it to its experts and back.
+    t_ep = with_changes(base, {"trainer.expert_parallel": 8})
+    plain, spread = TrainCost(base, 8), TrainCost(t_ep, 8)
+    per_token = 2 * 2 * 48 * (8 * 2048 * 2 * 7 / 8) / 8 / link
+    assert math.isclose(spread.step_s(1e5, 1e8) - plain.step_s(1e5, 1e8), 1e5 * per_token, rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("changes, key", [
+    ({"rollout.expert_parallel": 2, "model": {}}, "rollout.expert_parallel"),  # a dense model
+    ({"rollout.expert_parallel": 2}, "rollout.expert_parallel"),  # engines of 1 GPU
+    ({"trainer.expert_parallel": 3}, "trainer.expert_parallel"),  # does not divide the trainer's GPUs
+    ({"trainer.expert_parallel": 16, "resources.trainer_gpus": 16, "resources.rollout_gpus": 16}, "trainer.expert_parallel"),  # spans nodes, no interconnect
+])
+def test_expert_parallelism_that_cannot_be_is_refused_by_key(changes, key):
+    data = {"model": QWEN3_30B_A3B, "resources": {"rollout_gpus": 4, "trainer_gpus": 4}}
+    for dotted, value in changes.items():
+        if dotted == "model":
+            data["model"] = value
+            continue
+        section, name = dotted.split(".")
+        data.setdefault(section, {})[name] = value
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        Scenario.model_validate(data)

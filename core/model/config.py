@@ -383,6 +383,11 @@ class RolloutSpec(_Frozen):
     allreduce_latency_s: float = Field(1e-5, ge=0)
     """Fixed cost of one tensor-parallel all-reduce, two per layer per decode step when
     resources.gpus_per_engine > 1 (assumed: ~10 us, a small NCCL or vLLM custom all-reduce on NVLink)."""
+    expert_parallel: int = Field(1, ge=1, le=MAX_DEVICES)
+    """GPUs an engine spreads a mixture of experts' experts over instead of splitting each expert
+    (vLLM's --enable-expert-parallel: the engine's tensor-parallel GPUs). 1, or
+    resources.gpus_per_engine: each MoE layer then trades its tensor-parallel all-reduce for an
+    all-to-all that sends each token to its experts' GPUs and back (core/sim/costs.py)."""
     overprovision: float = Field(1.0, ge=1, le=4)
     """Samples in flight beyond what the staleness budget admits, as a factor of one sync
     window (APRIL, arXiv 2509.18521): 1.25 admits a quarter window more. Once every sample the
@@ -499,6 +504,11 @@ class TrainerSpec(_Frozen):
     """Gradient checkpointing: the backward recomputes the forward, 4 forward passes per sample
     instead of 3 (verl DAPO recipes: enable_gradient_checkpointing True; AReaL: gradient_checkpointing
     true). False keeps scenarios written before this field as they were."""
+    expert_parallel: int = Field(1, ge=1, le=MAX_DEVICES)
+    """Trainer GPUs each set of a mixture of experts' experts is spread over (Megatron's EP): every
+    MoE layer sends each token to its experts' GPUs and back, forward and backward, over NVLink
+    within a node and ``gpu.interconnect_gb_s`` beyond (core/sim/costs.py). It must divide the
+    trainer's GPUs (sync: all of them). 1: experts data-parallel like every other weight."""
     lora: Optional[LoraSpec] = None
     """Train a LoRA adapter instead of the whole model, and sync only the adapter (e.g.
     ``lora: {rank: 8}``; docs/real-runtimes.md). The torch trainer trains it through peft; the
@@ -1233,6 +1243,7 @@ class Scenario(_Frozen):
         self._check_lora()
         self._check_faults()
         self._check_kv_fits()
+        self._check_expert_parallel()
         self._check_agent()
         if self.filter is not None and self.filter.zero_variance and n == 1:
             raise ConfigError("filter.zero_variance", True, "a group of one response never has reward variance: every group would be dropped",
@@ -1290,6 +1301,29 @@ class Scenario(_Frozen):
             if ranks > engines:
                 raise ConfigError("ray.trainer_ranks", ranks, f"sync colocates each rank with an engine, and it has {engines}",
                                   f"use at most {engines}, or leave sync out of modes")
+
+    def _check_expert_parallel(self) -> None:
+        r, m = self.resources, self.model
+        for key, ep in (("rollout.expert_parallel", self.rollout.expert_parallel), ("trainer.expert_parallel", self.trainer.expert_parallel)):
+            if ep > 1 and m.experts == 1:
+                raise ConfigError(key, ep, "spreads experts, and model.experts is 1 (a dense model)", "set it to 1, or describe the model's experts")
+            if ep > m.experts:
+                raise ConfigError(key, ep, f"is more than model.experts = {m.experts}: a GPU would hold no expert", f"use at most {m.experts}")
+        ep = self.rollout.expert_parallel
+        if ep not in (1, r.gpus_per_engine):
+            raise ConfigError("rollout.expert_parallel", ep, f"an engine spreads its experts over all its GPUs or none (resources.gpus_per_engine = {r.gpus_per_engine})",
+                              f"use 1 or {r.gpus_per_engine}")
+        ep = self.trainer.expert_parallel
+        trains = [("sync", r.rollout_gpus + r.trainer_gpus)] if "sync" in self.modes else []
+        if any(mode != "sync" for mode in self.modes):
+            trains.append(("async", r.trainer_gpus))
+        for mode, gpus in trains:
+            if gpus % ep:
+                raise ConfigError("trainer.expert_parallel", ep, f"does not divide the {gpus} GPUs that train in {mode} mode",
+                                  f"use a divisor of {gpus}")
+        if ep > self.gpu.gpus_per_node and self.gpu.interconnect_gb_s is None:
+            raise ConfigError("trainer.expert_parallel", ep, f"spans nodes of gpu.gpus_per_node = {self.gpu.gpus_per_node}, and gpu.interconnect_gb_s "
+                              "is not given to price the all-to-all between them", "set gpu.interconnect_gb_s, or keep the experts within a node")
 
     def _check_sharding(self) -> None:
         ranks, sharding = self.ray.trainer_ranks, self.learn.sharding

@@ -175,6 +175,8 @@ def pipeline_bound(
     if draws is not None:
         mean_t, mean_t2 = draws.sum(axis=0) / (len(draws) * sc.trainer.batch_size)
     train_per_sample = train.sample_flops(mean_t, mean_t2) / train.flops + train.fixed_s / sc.trainer.batch_size
+    if train.alltoall_s_per_token:  # an expert-parallel trainer's all-to-alls
+        train_per_sample += train.alltoall_s_per_token * mean_t
     transfer = TransferCost(sc, colocated=place.colocated).seconds()
 
     if place.colocated:

@@ -72,14 +72,29 @@ def quantize_s(sc: Scenario) -> float:
 
 
 def allreduce_s(sc: Scenario, gpus: int, tokens: float) -> float:
-    """Tensor-parallel all-reduces of one forward over ``tokens`` tokens on ``gpus`` GPUs: two
-    per layer (after attention and after the MLP) of tokens x hidden activations, a ring moving
-    2 (g - 1) / g of them per GPU over NVLink, plus each all-reduce's fixed latency."""
+    """Tensor-parallel collectives of one forward over ``tokens`` tokens on ``gpus`` GPUs: two
+    all-reduces per layer (after attention and after the MLP) of tokens x hidden activations, a
+    ring moving 2 (g - 1) / g of them per GPU over NVLink, plus each one's fixed latency.
+
+    With ``rollout.expert_parallel`` the MoE layer's all-reduce becomes two all-to-alls
+    (``alltoall_bytes``: each token to its k experts' GPUs, and back), each with the same latency."""
     if gpus <= 1:
         return 0.0
     m = sc.model
+    link = sc.gpu.nvlink_gb_s * 1e9
     ring_bytes = 2.0 * (gpus - 1) / gpus * tokens * m.hidden * m.dtype_bytes
-    return 2 * m.layers * (sc.rollout.allreduce_latency_s + ring_bytes / (sc.gpu.nvlink_gb_s * 1e9))
+    latency = sc.rollout.allreduce_latency_s
+    if sc.rollout.expert_parallel == 1:
+        return 2 * m.layers * (latency + ring_bytes / link)
+    return m.layers * (latency + ring_bytes / link) + 2 * m.layers * (latency + alltoall_bytes(sc, gpus, tokens / gpus) / link)
+
+
+def alltoall_bytes(sc: Scenario, ep: int, tokens_per_gpu: float) -> float:
+    """Bytes one GPU sends in one all-to-all of a MoE layer spread over ``ep`` GPUs: each of its
+    tokens' hidden state to each of its k experts, of which (ep - 1) / ep live on other GPUs
+    (routing taken as uniform)."""
+    m = sc.model
+    return tokens_per_gpu * m.experts_per_token * m.hidden * m.dtype_bytes * (ep - 1) / ep
 
 
 class DecodeCost:
@@ -189,6 +204,7 @@ class TrainCost:
         self.flops = self.peak_flops * mfu
         self.overhead_s = t.step_overhead_s
         self.comm_s = dp_comm_s(sc, gpus, recompute_logprobs)
+        self.alltoall_s_per_token = ep_alltoall_s(sc, gpus, self.passes)
         self.fixed_s = self.overhead_s + self.comm_s  # per step, whatever it trains
         # Calibrated (harness/calibrate.py): the measured step, overhead included (where it was
         # measured all of it ran on the devices), scaled from the devices it was measured on by
@@ -209,7 +225,22 @@ class TrainCost:
         if self.calibrated is not None:
             cal = self.calibrated
             return (cal.train_overhead_s + cal.train_s_per_token * tokens + cal.train_s_per_token_sq * tokens_sq) * self.calibrated_scale
-        return self.fixed_s + self.sample_flops(tokens, tokens_sq) / self.flops
+        return self.fixed_s + self.sample_flops(tokens, tokens_sq) / self.flops + tokens * self.alltoall_s_per_token
+
+
+def ep_alltoall_s(sc: Scenario, gpus: int, passes: float) -> float:
+    """Seconds per trained token of an expert-parallel trainer's all-to-alls (``trainer.expert_parallel``):
+    every MoE layer sends each token to its experts' GPUs and back in each forward (passes - 2:
+    the training forward, a log-prob forward, a recompute) and backward (one), its tokens spread
+    over the ``gpus``; over NVLink within a node, ``gpu.interconnect_gb_s`` beyond, not hidden
+    behind compute. 0 without expert parallelism."""
+    ep = sc.trainer.expert_parallel
+    if ep <= 1:
+        return 0.0
+    g = sc.gpu
+    link = (g.nvlink_gb_s if ep <= g.gpus_per_node else g.interconnect_gb_s) * 1e9
+    pairs = passes - 1  # forward + backward is 3 passes and 2 round trips; each extra forward one more
+    return pairs * 2 * sc.model.layers * alltoall_bytes(sc, ep, 1.0 / gpus) / link
 
 
 def dp_comm_s(sc: Scenario, gpus: int, logprob_pass: bool) -> float:
