@@ -157,7 +157,8 @@ class DecodeCost:
 
     def base_s(self, running: int) -> float:
         """The part of a step that does not grow with context."""
-        return (self.overhead_s + max(self.read_s(running), running * self.per_seq_compute_s)
+        read = self.weights_s if not self.experts_s else self.read_s(running)  # no call for a dense model: per event
+        return (self.overhead_s + max(read, running * self.per_seq_compute_s)
                 + self.allreduce_fixed_s + running * self.allreduce_per_seq_s)
 
     def base_s_many(self, running: np.ndarray) -> np.ndarray:
