@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import os
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -314,11 +315,45 @@ def _probe(spans: dict, cal: Calibration, scenario: dict, speedup: dict[int, flo
         c["separated_decode_speedup"] = factor
 
 
+def _check_writable(path: Path, replace: bool) -> None:
+    """A file calibrate writes lies outside any run directory, in the user's tree: it is created
+    anew, replaces an existing one only with --force and only a regular file, and is never
+    written through a link or into a device."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise CalibrationError(f"{path}: cannot be checked ({exc.strerror}); fix: name a file in a directory you can write") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise CalibrationError(f"{path}: is a symbolic link, which calibrate never writes through; fix: name a new file")
+    if stat.S_ISDIR(st.st_mode):
+        raise CalibrationError(f"{path}: is a directory; fix: name a YAML file")
+    if not stat.S_ISREG(st.st_mode):
+        raise CalibrationError(f"{path}: is not a regular file (a device, FIFO or socket); fix: name a new file")
+    if not replace:
+        raise CalibrationError(f"{path}: exists, and calibrate does not replace a file unasked; fix: name a new file, or pass --force")
+
+
+def _write(path: Path, text: str, replace: bool) -> None:
+    """Write ``path`` as ``_check_writable`` allows; O_NOFOLLOW and O_EXCL hold it to that even if
+    the path changed since it was checked."""
+    _check_writable(path, replace)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if replace else os.O_EXCL)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        raise CalibrationError(f"{path}: cannot be written ({exc.strerror}); fix: name a new file in a directory you can write") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m harness.calibrate", description=__doc__.split("\n\n")[1])
     p.add_argument("source", type=Path, help="a real run's directory, or a YAML file of published phase times")
     p.add_argument("--mode", default="sync", help="the mode to fit (default sync); the others stay held out")
     p.add_argument("-o", "--out", type=Path, help="scenario to write (default RUN_DIR/calibrated.yaml)")
+    p.add_argument("--force", action="store_true", help="replace the scenario and its .lengths.json if they exist (regular files only)")
     p.add_argument("--train-speedup", action="append", default=[], metavar="DEVICES=SPEED",
                    help="measured trainer speed on DEVICES devices relative to the fitted mode's (default: linear)")
     p.add_argument("--separated-decode-speedup", type=float, metavar="FACTOR",
@@ -369,14 +404,14 @@ def main(argv: list[str] | None = None) -> int:
         spans = load_spans(args.source, args.mode)
         cal = fit_spans(spans)
         out = args.out or args.source / "calibrated.yaml"
-        if out.exists() and out.is_dir():
-            raise CalibrationError(f"-o {out}: is a directory; fix: name a YAML file")
         lengths_file = out.with_name(out.stem + ".lengths.json")
+        for path in (out, lengths_file):  # both, before either is written
+            _check_writable(path, args.force)
         # Relative to the working directory, as every path of a scenario.
         lengths_ref = os.path.relpath(lengths_file) if not lengths_file.is_absolute() else str(lengths_file)
         source = f"{args.source} mode {args.mode}"
         lengths_file.parent.mkdir(parents=True, exist_ok=True)
-        lengths_file.write_text(json.dumps(cal.response_lens) + "\n")
+        _write(lengths_file, json.dumps(cal.response_lens) + "\n", args.force)
         try:
             scenario = sim_scenario(spans, cal, lengths_ref, source, speedup)
         except (ConfigError, ValueError) as exc:
@@ -389,8 +424,14 @@ def main(argv: list[str] | None = None) -> int:
         _probe(spans, cal, scenario, speedup, console)
     elif args.separated_decode_speedup is not None:
         scenario["calibrated"]["separated_decode_speedup"] = args.separated_decode_speedup
-    out.write_text(f"# Calibrated by: python -m harness.calibrate {' '.join(argv if argv is not None else sys.argv[1:])}\n"
-                   + yaml.safe_dump(scenario, sort_keys=False))
+    try:
+        _write(out, f"# Calibrated by: python -m harness.calibrate {' '.join(argv if argv is not None else sys.argv[1:])}\n"
+               + yaml.safe_dump(scenario, sort_keys=False), args.force)
+    except CalibrationError as exc:  # the path changed since it was checked
+        if not args.force:
+            lengths_file.unlink(missing_ok=True)  # created by this call
+        err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        return 2
     console.print(fit_table(cal))
     console.print(f"wrote {out} and {lengths_file}", highlight=False)
     if args.predict:

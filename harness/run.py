@@ -44,6 +44,7 @@ from core.runtimes.run_checkpoint import load_run, scenario_digest
 from core.store.checkpoint import CheckpointError
 from core.model.config import ConfigError, clipped, with_changes
 from core.model.env_config import EnvScenario
+from core.model.owned import is_owned
 from harness import report
 from harness.console import (
     ModeProgress, agent_lines, comparison_table, correction_lines, faults_table, honesty_lines, implied_mfu_lines, published_table,
@@ -304,6 +305,9 @@ def _resumable(args) -> tuple[list[Variant], Path, dict]:
     if not run_dir.is_dir():
         raise ScenarioError(f"--resume {run_dir}: no such directory; fix: pass the directory of a run that stopped")
     run_directory.check_markers(run_dir)
+    if not is_owned(run_dir, "run"):  # a user's directory holding a scenario.json is not one to write a run into
+        raise ScenarioError(f"--resume {run_dir}: carries no stamp of a run asyncrl wrote, so it is not resumed (nothing in it "
+                            "is written); fix: pass the directory of a run that stopped")
     if (run_dir / SCENARIO_FILE).is_symlink():
         raise ScenarioError(f"{run_dir / SCENARIO_FILE}: is a symbolic link, which asyncrl never follows in a run directory; "
                             "fix: put back the scenario.json the run wrote, or start the run again")

@@ -520,8 +520,22 @@ def test_resume_needs_a_run_directory(tmp_path, capsys):
     plain = tmp_path / "plain"
     plain.mkdir()
     assert main(["--resume", str(plain)]) == 2
-    assert "not a run that kept checkpoints" in one_error(capsys)
+    assert "carries no stamp of a run asyncrl wrote" in one_error(capsys)
     assert list(plain.iterdir()) == []
+
+
+def test_resume_refuses_a_users_directory_that_holds_a_scenario_json(stopped_run, tmp_path, capsys):
+    """A copy of a stopped run's files in a directory asyncrl did not create (no stamp): resuming
+    it would write a whole run over the user's metrics and traces."""
+    import shutil
+
+    mine = tmp_path / "mine"
+    shutil.copytree(stopped_run, mine, ignore=shutil.ignore_patterns(".asyncrl*"))
+    before = tree(mine)
+    t0 = time.monotonic()
+    assert main(["--resume", str(mine)]) == 2
+    assert "carries no stamp of a run asyncrl wrote" in one_error(capsys)
+    assert tree(mine) == before and time.monotonic() - t0 < 5
 
 
 def test_stop_at_step_needs_checkpoints_and_a_step_in_range(tmp_path, capsys):

@@ -267,3 +267,41 @@ def test_real_run_writes_spans_that_calibrate(tmp_path, tiny_model_dir, monkeypa
 
 def test_module_is_the_cli():
     assert calibrate.__doc__.startswith("``python -m harness.calibrate")
+
+
+@pytest.mark.parametrize("case", ["exists", "lengths-exists", "symlink", "device", "directory"])
+def test_calibrate_never_writes_over_a_users_file(tmp_path, capsys, case):
+    """Its outputs lie in the user's tree: created anew, never replacing a file unasked, never
+    written through a link or into a device; refused in one line, before either is written."""
+    run = _run_dir(tmp_path, synthetic_spans(truth()))
+    mine = tmp_path / "mine.txt"
+    mine.write_text("the user's\n")
+    out = tmp_path / "cal.yaml"
+    if case == "exists":
+        out.write_text("the user's scenario\n")
+    elif case == "lengths-exists":
+        (tmp_path / "cal.lengths.json").write_text("[1]\n")
+    elif case == "symlink":
+        out.symlink_to(mine)
+    elif case == "directory":
+        out.mkdir()
+    else:
+        out = Path("/dev/null")
+    before = {p: (p.read_bytes() if p.is_file() and not p.is_symlink() else None) for p in tmp_path.rglob("*")}
+    assert main([str(run), "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "fix:" in err, err
+    after = {p: (p.read_bytes() if p.is_file() and not p.is_symlink() else None) for p in tmp_path.rglob("*")}
+    assert after == before and mine.read_text() == "the user's\n"
+    assert not Path("/dev/null.lengths.json").exists()
+
+
+def test_calibrate_replaces_its_own_output_with_force(tmp_path, capsys):
+    run = _run_dir(tmp_path, synthetic_spans(truth()))
+    out = tmp_path / "cal.yaml"
+    assert main([str(run), "-o", str(out)]) == 0
+    first = out.read_text()
+    assert main([str(run), "-o", str(out)]) == 2  # a second time: it exists now
+    assert "pass --force" in capsys.readouterr().err
+    assert main([str(run), "-o", str(out), "--force"]) == 0
+    assert out.read_text().splitlines()[1:] == first.splitlines()[1:]  # the command line aside, the same fit
