@@ -57,6 +57,17 @@ MAX_FILE_BYTES = 1 << 30  # metrics.jsonl read back on resume: a line per step, 
 _LINE_HEAD = b'{"event": "'
 
 
+# How long a network logger may take to answer before the run gives up on it (seconds), and
+# how often MLflow tries again: its defaults (120 s, 7 retries with back-off) kept a run with an
+# unreachable tracking server waiting for many minutes before its first step.
+CONNECT_TIMEOUT_S = 30
+MLFLOW_RETRIES = 1
+
+
+class LoggerFailed(RuntimeError):
+    """A live logger (report.loggers) could not start: one line naming it, what failed and the fix."""
+
+
 class MetricsFileError(ValueError):
     """A metrics.jsonl a resume cannot go on from: the file, the line, what and the fix."""
 
@@ -147,7 +158,8 @@ class WandbSink:
         self.wandb = importlib.import_module("wandb")
         self.run = self.wandb.init(
             project=os.environ.get("WANDB_PROJECT", "asyncrl"), name=name, group=group, job_type=mode, dir=str(root),
-            config=config, reinit="create_new", settings=self.wandb.Settings(console="off"),  # the harness owns the terminal
+            config=config, reinit="create_new",
+            settings=self.wandb.Settings(console="off", init_timeout=CONNECT_TIMEOUT_S),  # the harness owns the terminal
         )
         self.defined: set[str] = set()
 
@@ -172,6 +184,8 @@ class MlflowSink:
     ui --backend-store-uri RUN/mlruns``) unless ``MLFLOW_TRACKING_URI`` names a store or server."""
 
     def __init__(self, root: Path, name: str, experiment: str, tags: dict[str, str]) -> None:
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(CONNECT_TIMEOUT_S))
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(MLFLOW_RETRIES))
         mlflow = importlib.import_module("mlflow")
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         if uri is None:
@@ -217,6 +231,16 @@ class MetricsStream:
                 else:
                     self.sinks.append(MlflowSink(root, name, group, {"mode": mode, "scenario": group}))
             self.file = open(self.path, "a" if resume else "w", encoding="utf-8")
+        except Exception as exc:
+            started = len(self.sinks)
+            self._close_sinks(failed=True)
+            if started == len(loggers):  # every logger started: the metrics file failed
+                raise
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise LoggerFailed(
+                f"report.loggers: {loggers[started]} could not start ({type(exc).__name__}: {first}); fix: check its "
+                "server, login and install (WANDB_MODE=offline or an MLFLOW_TRACKING_URI it can reach), or drop it from report.loggers"
+            ) from None
         except BaseException:
             self._close_sinks(failed=True)
             raise

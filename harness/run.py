@@ -51,7 +51,7 @@ from harness.console import (
     seeds_table, target_table,
 )
 from harness.gpu_sampler import NvmlSampler
-from harness.live_metrics import METRICS_FILE, MetricsFileError, MetricsStream, check_loggers, read_history
+from harness.live_metrics import METRICS_FILE, LoggerFailed, MetricsFileError, MetricsStream, check_loggers, read_history
 from harness.metrics import reward_curve
 from harness.plots import reward_curves_png, reward_png, timeline_png
 from harness.profiler import Profiler
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         where.release()
         console.print(f"{exc}; its checkpoints are in {out}. Go on with: python -m harness.run --resume {out}", highlight=False)
         return 0
-    except (RestartsExhausted, UserCodeError, FilterStarved) as exc:
+    except (RestartsExhausted, UserCodeError, FilterStarved, LoggerFailed) as exc:
         # Settings a run proved unworkable (calls that always time out), or the user's code that
         # failed while it ran (its reward function): one line, not a traceback.
         kept = where.abandon(keep=resumable)

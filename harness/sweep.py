@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import math
 import multiprocessing
 import operator
 import os
@@ -39,6 +40,10 @@ from rich.markup import escape
 
 from core.model.config import ConfigError, Placement, Scenario, set_dotted, shown, with_changes
 from core.runtimes.dispatch import run_mode
+
+# A grid this large takes hours on a workstation (a point of longtail-128gpu is seconds of CPU); a
+# grid of a million points was built, validated point by point and held in memory before any ran.
+MAX_POINTS = 10_000
 from harness import report
 from harness.console import sweep_table
 from harness.metrics import collect
@@ -141,6 +146,10 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> Sweep:
         hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(SECTION_KEYS)}"
         raise ScenarioError(f"{at}.{unknown[0]}: unknown key; fix: remove it; {hint}")
     axes = _axes(body.get("axes"), at)
+    n = math.prod(len(a.labels) for a in axes)
+    if n > MAX_POINTS:
+        raise ScenarioError(f"{at}.axes: a grid of {n:,} points, more than a sweep runs ({MAX_POINTS:,}); fix: sweep fewer values, "
+                            "or split the grid into several sweeps")
     by_key = {k: a.name for a in axes for s in a.settings for k in s}
     for key, value, where in base_sets:
         if key in by_key:
@@ -202,6 +211,8 @@ def _axes(raw: Any, at: str) -> tuple[Axis, ...]:
             raise ScenarioError(f"{where} = {shown(values)}: must be a list of values; fix: e.g. [0, 1, 2]")
         if not entries:
             raise ScenarioError(f"{where}: has no values; fix: list one or more")
+        if len(entries) > MAX_POINTS:
+            raise ScenarioError(f"{where}: has {len(entries):,} values, more than a sweep runs ({MAX_POINTS:,} points); fix: list fewer")
         linked = isinstance(values, dict) or any(isinstance(v, dict) for _, v in entries)
         labels, settings = [], []
         for label, v in entries:

@@ -1745,3 +1745,48 @@ def test_the_json_bound_skips_strings_and_counts_every_bracket():
     assert loads_yaml("a: [1, 2]\n") == {"a": [1, 2]}
     with pytest.raises(TooNested, match="nested more than 100 deep"):
         loads_yaml("[" * 101 + "]" * 101)
+
+
+# ==== Small inputs that asked for hours or gigabytes (issue 40) ===================================
+def _refused_fast(argv: list[str], capsys, fragments: list[str], code: int = 2) -> None:
+    t0 = time.monotonic()
+    assert main(argv) == code
+    err = one_error(capsys)
+    assert all(f in err for f in fragments), err
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_sweep_of_a_million_points_is_refused_before_any_is_built(tmp_path, capsys):
+    path = tmp_path / "big.yaml"
+    values = ", ".join(str(i) for i in range(1000))
+    path.write_text("name: big\nmodes: [partial]\nsweep:\n  axes:\n"
+                    f"    seed: [{values}]\n    trainer.steps: [{', '.join(str(i) for i in range(1, 1001))}]\n")
+    before = tree(tmp_path)
+    _refused_fast([str(path), "--out", str(tmp_path / "out")], capsys, ["a grid of 1,000,000 points", "(10,000)", "fix:"])
+    assert tree(tmp_path) == before
+
+
+def test_a_yaml_alias_bomb_in_a_lengths_file_is_refused_without_building_it(tmp_path, capsys):
+    bomb = tmp_path / "lengths.yaml"
+    lines = ["a0: &a0 [100, 200, 300, 400, 500, 600, 700, 800, 900, 1000]"]
+    for i in range(1, 9):  # 10 x 10^8 values once every alias is followed
+        lines.append(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]")
+    lines.append("lengths: *a8")
+    bomb.write_text("\n".join(lines) + "\n")
+    _refused_fast([QUICK, "--out", str(tmp_path / "out"), *sets(f"workload.lengths={bomb}")], capsys, ["workload.lengths", "fix:"])
+
+
+def test_a_phases_file_of_a_trillion_samples_a_step_is_refused(tmp_path, capsys):
+    import yaml
+
+    from harness.calibrate import main as calibrate
+
+    table = yaml.safe_load((ROOT / "scenarios" / "published" / "verl-fully-async-7b.yaml").read_text())
+    table["samples_per_step"] = 10**12
+    path = tmp_path / "phases.yaml"
+    path.write_text(yaml.safe_dump(table))
+    t0 = time.monotonic()
+    assert calibrate([str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "samples_per_step = 1000000000000 is not a whole number from 1 to 1,000,000" in err
+    assert time.monotonic() - t0 < 5

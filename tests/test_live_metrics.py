@@ -294,3 +294,23 @@ def test_mlflow_gets_each_line_in_the_run_s_own_store(tmp_path, monkeypatch):
         rows = steps_of(lines(out / mode / METRICS_FILE))
         got = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "samples/trainings"))
         assert got == [(r["step"], r["samples/trainings"]) for r in rows]
+
+
+def test_a_logger_that_cannot_start_ends_the_run_in_one_line(tmp_path, monkeypatch, capsys):
+    """An unreachable tracking server (its requests now time out in CONNECT_TIMEOUT_S, once
+    retried), a W&B login that is not there: one line naming the logger, not a traceback."""
+    import harness.live_metrics as live
+    import harness.run as run
+
+    class Unreachable:
+        def __init__(self, *args, **kwargs):
+            raise ConnectionError("HTTPConnectionPool(host='10.255.255.1', port=5000): Max retries exceeded\nmore")
+
+    monkeypatch.setattr(run, "check_loggers", lambda loggers: None)  # installed or not, as far as this test goes
+    monkeypatch.setattr(live, "MlflowSink", Unreachable)
+    out = tmp_path / "run"
+    assert main([QUICK, "--out", str(out), "--no-plots", *sets("trainer.steps=4", "modes=[async]", "report.loggers=[tensorboard, mlflow]")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "report.loggers: mlflow could not start (ConnectionError: HTTPConnectionPool" in err and "fix:" in err
+    assert "Traceback" not in err

@@ -64,7 +64,10 @@ def _numbers(x: object, what: str) -> np.ndarray:
 
 
 MAX_FILE_BYTES = 256 << 20  # a histogram of a few thousand bins is kilobytes
-MAX_VALUES = 64 << 20  # a few aliases could otherwise stand for billions of lengths
+# A few aliases could otherwise stand for billions of lengths: at 64 Mi values a bomb of aliases
+# built 7 GB of lists. A run's lengths (what calibrate writes) are one per trained sample: 4 Mi
+# holds 8,000 steps of 512.
+MAX_VALUES = 4 << 20
 
 
 @lru_cache(maxsize=16)

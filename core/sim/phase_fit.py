@@ -107,11 +107,21 @@ def _bisect(f, lo: float, hi: float, target: float, iters: int = 40, log: bool =
     return math.sqrt(lo * hi) if log else (lo + hi) / 2
 
 
+# Samples one published step trains: verl's table has 8,192. The fit prices every sample of a
+# step, so a table saying 10^12 ran for hours instead of being refused.
+MAX_PHASE_SAMPLES = 1_000_000
+
+def _samples_per_step(samples: object) -> int:
+    if isinstance(samples, bool) or not isinstance(samples, int) or not 1 <= samples <= MAX_PHASE_SAMPLES:
+        raise ValueError(f"samples_per_step = {samples!r} is not a whole number from 1 to {MAX_PHASE_SAMPLES:,}")
+    return samples
+
+
 def fit_phases(table: dict) -> tuple[dict[str, object], list[str]]:
     """The scenario dotted-key changes that give the cost components of the table's fitted setup,
     and a line per fitted value saying what it came from and how well the phases are reproduced."""
     base = Scenario.model_validate(table.get("scenario") or {})
-    samples = int(table["samples_per_step"])
+    samples = _samples_per_step(table["samples_per_step"])
     label = str(table["fit"])
     setup = table["setups"][label]
     colo, sep = setup["colocated"], setup["separated"]
