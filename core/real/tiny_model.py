@@ -94,6 +94,7 @@ def build(out: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
             warm_start(model, fast, spec.warm_start_steps, spec.seed)
         model.save_pretrained(tmp)
         (tmp / STAMP).write_text(json.dumps({"build": BUILD_VERSION, "spec": _built_from(spec)}, sort_keys=True))
+        _umask_modes(tmp)
         remove_owned(out, TINY_MODEL_KIND)  # an older build of ours; anything else at that path is the user's
         os.replace(tmp, out)
     except BaseException:
@@ -101,6 +102,17 @@ def build(out: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
         raise
     log.info("built tiny model in %s (%d parameters)", out, sum(p.numel() for p in model.parameters()))
     return out
+
+
+def _umask_modes(path: Path) -> None:
+    """Every file of the model as the user's umask makes a new file: safetensors writes its
+    weights 0600 (through a temporary file), which another user or a container of the user's
+    could not read although every other file of the model was readable."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in path.iterdir():
+        if f.is_file() and not f.is_symlink():
+            os.chmod(f, 0o666 & ~mask)
 
 
 def arithmetic_tokenizer():
