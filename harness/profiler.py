@@ -24,12 +24,17 @@ class ProfileError(RuntimeError):
     """py-spy is missing or cannot attach."""
 
 
+def py_spy() -> str:
+    """The py-spy executable; ``ProfileError`` (one line) if there is none."""
+    exe = shutil.which("py-spy") or str(Path(os.sys.executable).parent / "py-spy")
+    if not Path(exe).exists():
+        raise ProfileError("--profile: py-spy not found; fix: install the project (make run) or pip install py-spy")
+    return exe
+
+
 class Profiler:
     def __init__(self, out: Path, rate: int = 100) -> None:
-        exe = shutil.which("py-spy") or str(Path(os.sys.executable).parent / "py-spy")
-        if not Path(exe).exists():
-            raise ProfileError("py-spy not found; fix: install the project (make run) or pip install py-spy")
-        self.exe = exe
+        self.exe = py_spy()
         self.out = out
         self.rate = rate
         self.procs: list[tuple[str, subprocess.Popen]] = []

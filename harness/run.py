@@ -54,7 +54,7 @@ from harness.gpu_sampler import NvmlSampler
 from harness.live_metrics import METRICS_FILE, LoggerFailed, MetricsFileError, MetricsStream, check_loggers, read_history
 from harness.metrics import reward_curve
 from harness.plots import reward_curves_png, reward_png, timeline_png
-from harness.profiler import Profiler
+from harness.profiler import ProfileError, Profiler, py_spy
 from harness import run_directory
 from harness.extras import check_installed
 from harness.run_directory import RunDirectory, RunDirectoryError
@@ -150,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
                 _check_new_run(variants, args)
         for v in variants:
             check_loggers(v.scenario.report.loggers)
+        if args.profile:
+            try:
+                py_spy()  # before anything runs, not when the first mode starts
+            except ProfileError as exc:
+                raise ScenarioError(str(exc)) from None
         first = variants[0].scenario
         env_kind = isinstance(first, EnvScenario)
         if not env_kind:

@@ -1790,3 +1790,13 @@ def test_a_phases_file_of_a_trillion_samples_a_step_is_refused(tmp_path, capsys)
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "samples_per_step = 1000000000000 is not a whole number from 1 to 1,000,000" in err
     assert time.monotonic() - t0 < 5
+
+
+def test_profile_without_py_spy_is_one_line_before_anything_runs(tmp_path, capsys, monkeypatch):
+    import harness.profiler as profiler
+
+    monkeypatch.setattr(profiler.shutil, "which", lambda name: None)
+    monkeypatch.setattr(profiler.os, "sys", type("S", (), {"executable": str(tmp_path / "bin" / "python")}))
+    out = tmp_path / "out"
+    _refused_fast([QUICK, "--out", str(out), "--profile"], capsys, ["--profile: py-spy not found", "fix:"])
+    assert not out.exists()
