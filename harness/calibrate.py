@@ -40,7 +40,7 @@ from core.model.regular_file import UnreadableFile, read_regular
 from core.model.run_plan import RunPlan
 from core.runtimes.sim import run_sim
 from core.sim.phase_fit import fit_phases
-from harness import report
+from harness import report, started
 from harness.spans import SCHEMA
 from harness.probes import engine_contention, train_speedup
 
@@ -392,6 +392,7 @@ def _phases(path: Path, console: Console) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started()
     args = parse_args(argv)
     console = Console()
     err = Console(stderr=True)

@@ -45,7 +45,7 @@ from core.store.checkpoint import CheckpointError
 from core.model.config import ConfigError, clipped, with_changes
 from core.model.env_config import EnvScenario
 from core.model.owned import is_owned
-from harness import report
+from harness import report, started
 from harness.console import (
     ModeProgress, agent_lines, comparison_table, correction_lines, faults_table, honesty_lines, implied_mfu_lines, published_table,
     seeds_table, target_table,
@@ -119,6 +119,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started()
     try:
         args = parse_args(argv)
     except ScenarioError as exc:

@@ -1800,3 +1800,27 @@ def test_profile_without_py_spy_is_one_line_before_anything_runs(tmp_path, capsy
     out = tmp_path / "out"
     _refused_fast([QUICK, "--out", str(out), "--profile"], capsys, ["--profile: py-spy not found", "fix:"])
     assert not out.exists()
+
+
+def test_ctrl_c_while_the_command_imports_is_one_line_and_130(tmp_path):
+    """SIGINT a moment after start, while ``python -m harness.run`` still imports its modules
+    (seconds): no traceback from inside an import, nothing written."""
+    out = tmp_path / "out"
+    # -X importtime writes a line per module imported: SIGINT once the harness package is in,
+    # while harness.run's own imports (most of a second) still load; never a blind sleep.
+    proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "harness.run", QUICK, "--out", str(out)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        for line in proc.stderr:
+            if line.rstrip().endswith("| harness"):
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    told = [x for x in err.splitlines() if not x.startswith("import time:")]
+    assert told == ["interrupted while starting; nothing was run"], err[-2000:]
+    assert not out.exists()
