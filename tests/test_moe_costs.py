@@ -86,7 +86,7 @@ def test_experts_that_cannot_be_are_refused_by_key(model, key):
         ModelSpec.model_validate(model)
 
 
-def test_a_moe_model_directory_gives_its_experts(tmp_path):
+def test_a_moe_model_directory_gives_its_experts(tmp_path, tiny_model_dir):
     """config.json alone (a model not downloaded): Qwen3-MoE's and DeepSeek's keys. Without
     weights to count, a MoE's parameter count must be given."""
     import json
@@ -111,7 +111,7 @@ def test_a_moe_model_directory_gives_its_experts(tmp_path):
     assert (d.experts, d.experts_per_token) == (256, 8)
     assert math.isclose(d.expert_params_b, 3 * 7168 * 2048 * 58 / 1e9)  # the first three layers are dense
     # A dense directory gives no experts.
-    dense = ModelSpec(path="models/tiny-qwen2")
+    dense = ModelSpec(path=str(tiny_model_dir))
     assert (dense.experts, dense.expert_params_b) == (1, 0.0)
 
 

@@ -455,3 +455,31 @@ def test_model_dir_a_node_cannot_see_is_shipped_once_or_refused(ray_session, tin
     sc = small("scenarios/real-cpu-vllm.yaml", tiny_model_dir).with_model_dir(missing)
     here = ray_session.get(ray_session.remote(node_scenario).options(**on_worker).remote(sc, tuple(shipped)))
     assert here.real_model_path == first and sc.real_model_path == missing
+
+
+def test_an_engine_restarting_at_the_runs_end_is_asked_again_for_its_counters():
+    """A worker killed near the run's end may still be coming back when the rollout stops: the
+    close that reads its counters waits for the new process instead of failing the run."""
+    import ray
+
+    from core.runtimes.ray_engine_host import EngineProxy
+
+    calls = []
+
+    class Close:
+        def remote(self):
+            calls.append(1)
+
+            async def answer():
+                if len(calls) < 3:
+                    raise ray.exceptions.ActorUnavailableError("The actor is restarting.", None)
+                return {"spans": {}, "tokens_generated": 7}
+            return answer()
+
+    proxy = EngineProxy("engine000", type("Handle", (), {"close": Close()})(), 0.0)
+    asyncio.run(proxy.close(0.0))
+    assert len(calls) == 3 and proxy.tokens_generated == 7
+    gone = EngineProxy("engine001", type("Handle", (), {"close": Close()})(), 0.0)
+    calls.clear()
+    asyncio.run(gone.close(0.0, wait_s=0.0))  # still restarting at the deadline: left out, one warning
+    assert len(calls) == 1

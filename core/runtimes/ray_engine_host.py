@@ -6,6 +6,7 @@ store, referenced, and an interrupted group's partial tokens stay in the engine 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, Optional
 
 from core.api import Engine
@@ -19,6 +20,11 @@ from core.real.workers import make_engine
 from core.runtimes.ray_actor import ActorIdentity, died, ray_module
 from core.runtimes.ray_cluster import node_scenario
 
+log = logging.getLogger(__name__)
+
+
+# How long the run's end waits for an engine worker Ray is restarting, to read its counters.
+CLOSE_WAIT_S = 120.0
 
 class EngineHost(ActorIdentity):
     """A rollout engine in its own actor (torch or vLLM)."""
@@ -236,8 +242,19 @@ class EngineProxy(Engine):
         self.pid, self.dead = pid, False
         await self._remote("start")
 
-    async def close(self, now: float) -> None:
-        stats = await self.handle.close.remote()
+    async def close(self, now: float, wait_s: float = CLOSE_WAIT_S) -> None:
+        """The engine's counters and spans, at the run's end. A worker killed near the end may
+        still be coming back (Ray restarts it): its new process is asked again, until ``wait_s``."""
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while True:
+            try:
+                stats = await self.handle.close.remote()
+                break
+            except died():
+                if asyncio.get_running_loop().time() >= deadline:
+                    log.warning("%s did not come back within %.0f s of the run's end: its counters are left out", self.name, wait_s)
+                    return
+                await asyncio.sleep(0.2)
         self.spans = {w: [[k, a - self.offset, b - self.offset] for k, a, b in rows] for w, rows in stats.pop("spans").items()}
         for k, v in stats.items():
             setattr(self, k, v)
