@@ -63,10 +63,7 @@ class RunPlan:
         # Admission keeps admitted-but-untrained samples under (max_staleness + 2) windows, so
         # a queue this large never blocks a producer while the trainer waits on a sync drain;
         # what admission lets run beyond the budget may all finish, and fits too.
-        if pass_floor < 1.0 or surplus:
-            capacity = math.ceil(((max_staleness + 2) * sc.window / pass_floor + surplus) / n) + sc.warm_up_groups + 1
-        else:
-            capacity = (max_staleness + 2) * sc.window // n + sc.warm_up_groups + 1
+        capacity = math.ceil(((max_staleness + 2) * sc.window / pass_floor + surplus) / n) + sc.warm_up_groups + 1
         rp = sc.replay
         bound = max_staleness
         if rp.enabled:

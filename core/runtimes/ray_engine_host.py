@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 # How long the run's end waits for an engine worker Ray is restarting, to read its counters.
 CLOSE_WAIT_S = 120.0
 
+
 class EngineHost(ActorIdentity):
     """A rollout engine in its own actor (torch or vLLM)."""
 

@@ -38,8 +38,8 @@ def sim_workers(plan: RunPlan, timeline: Timeline) -> Workers:
     backend = SimTrainBackend(TrainCost(sc, place.trainer_gpus, mode in sc.trainer.recompute_logprobs, colocated=place.colocated))
     transfer = SimWeightTransfer(TransferCost(sc, colocated=place.colocated))
     # A filter judges groups by their rewards: the workload's modelled ones, at no cost in time.
-    reward = ModelledReward(Workload(sc.workload, sc.seed)) if sc.filter is not None else None
-    return Workers(engines, backend, transfer, reward=reward, spread=Workload(sc.workload, sc.seed).reward_spread,
+    reward = ModelledReward(workload) if sc.filter is not None else None
+    return Workers(engines, backend, transfer, reward=reward, spread=workload.reward_spread,
                    agent=SimEpisodes(workload) if agent is not None else None)
 
 
