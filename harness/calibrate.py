@@ -31,17 +31,22 @@ from typing import Optional
 
 import numpy as np
 import yaml
+from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from core.model.bounded_parse import TooNested, loads_yaml
-from core.model.config import ConfigError, Placement, Scenario
+from core.model.config import MODES, Placement, Scenario
+from core.model.phase_table import PhaseTable
 from core.model.regular_file import UnreadableFile, read_regular
 from core.model.run_plan import RunPlan
 from core.runtimes.sim import run_sim
 from core.sim.phase_fit import fit_phases
 from harness import report, started
-from harness.spans import SCHEMA
+from harness.arguments import ArgumentError, OneLineParser
+from harness.scenario import error_line
+from harness.spans import SpansError, read_spans
 from harness.probes import engine_contention, train_speedup
 
 # The sections of a real run's scenario that a sim run does not read.
@@ -82,7 +87,10 @@ def nnls(X: np.ndarray, y: np.ndarray, names: tuple[str, ...]) -> Fit:
         cols = X[:, active]
         scale = np.linalg.norm(cols, axis=0)
         scale[scale == 0] = 1.0
-        c, *_ = np.linalg.lstsq(cols / scale, y, rcond=None)
+        try:
+            c, *_ = np.linalg.lstsq(cols / scale, y, rcond=None)
+        except np.linalg.LinAlgError:
+            raise CalibrationError(f"cannot fit {', '.join(names)}: the rows determine no fit; fix: calibrate from a run of more steps") from None
         c = c / scale
         if np.all(c >= 0):
             coef[:] = 0.0
@@ -221,12 +229,9 @@ def load_spans(run_dir: Path, mode: str) -> dict:
         hint = f"modes with spans: {', '.join(have)}" if have else "only real runs (local, ray) write spans.json"
         raise CalibrationError(f"{path}: missing ({hint}); fix: run the scenario with harness.run on a real runtime")
     try:
-        spans = report.read_json(path, "run the scenario again")
-    except report.ReportError as exc:
+        return read_spans(path, mode)
+    except SpansError as exc:
         raise CalibrationError(str(exc)) from None
-    if spans.get("schema") != SCHEMA:
-        raise CalibrationError(f"{path}: not a spans file of schema {SCHEMA}; fix: run the scenario again with this version")
-    return spans
 
 
 def parse_speedup(items: list[str]) -> dict[int, float]:
@@ -264,21 +269,28 @@ def fit_table(cal: Calibration) -> Table:
     return t
 
 
-def predict(run_dir: Path, scenario: Scenario, fitted_mode: str) -> list[dict]:
-    """Every mode the run holds: measured (its report.json) against the calibrated sim."""
-    rows = []
-    for mode in scenario.modes:
+def measured(run_dir: Path, modes: tuple[str, ...]) -> dict[str, dict]:
+    """The figures --predict compares, of each mode the run finished (its report.json)."""
+    out = {}
+    for mode in modes:
         rep = run_dir / mode / "report.json"
         if not rep.is_file():
             continue
         try:
-            measured = report.read_json(rep, "run the scenario again")["metrics"]
-        except (report.ReportError, KeyError) as exc:
-            raise CalibrationError(f"{rep}: not a report of this run ({exc}); fix: run the scenario again") from None
+            out[mode] = report.read_report(rep, report.SCHEMA, mode, numbers=_COMPARED, fix="run the scenario again")["metrics"]
+        except report.ReportError as exc:
+            raise CalibrationError(str(exc)) from None
+    return out
+
+
+def predict(reports: dict[str, dict], scenario: Scenario, fitted_mode: str) -> list[dict]:
+    """Every mode the run finished: measured (``measured``) against the calibrated sim."""
+    rows = []
+    for mode, got in reports.items():
         predicted = report.build(scenario, run_sim(RunPlan.of(scenario, mode)), {})["metrics"]
         row = {"mode": mode, "held_out": mode != fitted_mode}
         for k in _COMPARED:
-            row[k] = (measured[k], predicted[k], predicted[k] / measured[k] - 1.0 if measured[k] else math.nan)
+            row[k] = (got[k], predicted[k], predicted[k] / got[k] - 1.0 if got[k] else math.nan)
         rows.append(row)
     return rows
 
@@ -348,10 +360,16 @@ def _write(path: Path, text: str, replace: bool) -> None:
         f.write(text)
 
 
+# An example of each option that takes a value, for the fix of an argument error.
+_EXAMPLES = {"--mode": "--mode sync", "--out": "-o runs/my-run/calibrated.yaml", "--train-speedup": "--train-speedup 1=0.55",
+             "--separated-decode-speedup": "--separated-decode-speedup 1.3"}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m harness.calibrate", description=__doc__.split("\n\n")[1])
+    p = OneLineParser(prog="python -m harness.calibrate", description=__doc__.split("\n\n")[1], examples=_EXAMPLES,
+                      shape="a run directory or a table of phase times, then options")
     p.add_argument("source", type=Path, help="a real run's directory, or a YAML file of published phase times")
-    p.add_argument("--mode", default="sync", help="the mode to fit (default sync); the others stay held out")
+    p.add_argument("--mode", default="sync", choices=MODES, help="the mode to fit (default sync); the others stay held out")
     p.add_argument("-o", "--out", type=Path, help="scenario to write (default RUN_DIR/calibrated.yaml)")
     p.add_argument("--force", action="store_true", help="replace the scenario and its .lengths.json if they exist (regular files only)")
     p.add_argument("--train-speedup", action="append", default=[], metavar="DEVICES=SPEED",
@@ -382,9 +400,8 @@ def _phases(path: Path, console: Console) -> int:
         raise CalibrationError(f"{path}: not a table of phase times (a YAML mapping); fix: see scenarios/published/")
     try:
         changes, lines = fit_phases(table)
-    except (KeyError, TypeError, ValueError) as exc:
-        what = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc).splitlines()[0]
-        raise CalibrationError(f"{path}: not a table of phase times ({what}); fix: follow scenarios/published/verl-fully-async-7b.yaml") from None
+    except ValidationError as exc:
+        raise CalibrationError(error_line(exc, {"": str(path)}, PhaseTable)) from None
     for line in lines:
         console.print(line, highlight=False)
     console.print(yaml.safe_dump(changes, sort_keys=False), highlight=False)
@@ -393,18 +410,27 @@ def _phases(path: Path, console: Console) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     started()
-    args = parse_args(argv)
     console = Console()
     err = Console(stderr=True)
     try:
+        args = parse_args(argv)
         if args.source.is_file():
+            given = [flag for flag, on in (("--out", args.out), ("--force", args.force), ("--probe", args.probe), ("--predict", args.predict),
+                                           ("--train-speedup", args.train_speedup)) if on]
+            if given:
+                raise CalibrationError(f"{given[0]}: fits from a run directory, and {args.source} is a table of phase times; "
+                                       f"fix: drop {given[0]}, or pass a run directory")
             return _phases(args.source, console)
         speedup = parse_speedup(args.train_speedup)
-        if args.separated_decode_speedup is not None and not args.separated_decode_speedup > 0:
-            raise CalibrationError(f"--separated-decode-speedup {args.separated_decode_speedup}: must be > 0; fix: give the factor --probe printed")
-        spans = load_spans(args.source, args.mode)
-        cal = fit_spans(spans)
+        factor = args.separated_decode_speedup
+        if factor is not None and not (math.isfinite(factor) and factor > 0):
+            raise CalibrationError(f"--separated-decode-speedup {factor}: must be a finite number > 0; fix: give the factor --probe printed")
         out = args.out or args.source / "calibrated.yaml"
+        if out.name in ("", ".", ".."):
+            raise CalibrationError(f"-o {str(args.out)!r}: names no file; fix: name a new YAML file, e.g. {_EXAMPLES['--out']}")
+        spans = load_spans(args.source, args.mode)
+        reports = measured(args.source, tuple(spans["scenario"]["modes"])) if args.predict else {}
+        cal = fit_spans(spans)
         lengths_file = out.with_name(out.stem + ".lengths.json")
         for path in (out, lengths_file):  # both, before either is written
             _check_writable(path, args.force)
@@ -415,11 +441,13 @@ def main(argv: list[str] | None = None) -> int:
         _write(lengths_file, json.dumps(cal.response_lens) + "\n", args.force)
         try:
             scenario = sim_scenario(spans, cal, lengths_ref, source, speedup)
-        except (ConfigError, ValueError) as exc:
+        except ValidationError as exc:
             lengths_file.unlink(missing_ok=True)
-            raise CalibrationError(f"the fitted scenario does not validate: {str(exc).splitlines()[-1].strip()}") from None
-    except CalibrationError as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            first = exc.errors()[0]
+            raise CalibrationError(f"the fitted scenario does not validate ({'.'.join(map(str, first['loc']))}: {first['msg'].lower()}); "
+                                   f"fix: check the rows of {args.source / args.mode / 'spans.json'}") from None
+    except (ArgumentError, CalibrationError) as exc:
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
     if args.probe:
         _probe(spans, cal, scenario, speedup, console)
@@ -431,12 +459,12 @@ def main(argv: list[str] | None = None) -> int:
     except CalibrationError as exc:  # the path changed since it was checked
         if not args.force:
             lengths_file.unlink(missing_ok=True)  # created by this call
-        err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
     console.print(fit_table(cal))
     console.print(f"wrote {out} and {lengths_file}", highlight=False)
     if args.predict:
-        console.print(predict_table(predict(args.source, Scenario.model_validate(scenario), args.mode)))
+        console.print(predict_table(predict(reports, Scenario.model_validate(scenario), args.mode)))
     return 0
 
 

@@ -18,12 +18,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
 import logging
 import os
-import re
 import sys
-import typing
 import warnings
 from datetime import datetime
 from pathlib import Path
@@ -42,7 +39,7 @@ from core.runtimes.ray_start import cluster
 from core.runtimes.ray_checkpoint import load_ray_run
 from core.runtimes.run_checkpoint import load_run, scenario_digest
 from core.store.checkpoint import CheckpointError
-from core.model.config import ConfigError, clipped, with_changes
+from core.model.config import ConfigError, with_changes
 from core.model.env_config import EnvScenario
 from core.model.owned import is_owned
 from harness import report, started
@@ -58,6 +55,7 @@ from harness.profiler import ProfileError, Profiler, py_spy
 from harness import run_directory
 from harness.extras import check_installed
 from harness.run_directory import RunDirectory, RunDirectoryError
+from harness.arguments import ArgumentError, OneLineParser, whole_number
 from harness.scenario import ScenarioError, Variant, load_resolved, load_variants
 from harness.sweep import has_sweep
 from harness.sweep import main as run_sweep
@@ -72,42 +70,13 @@ _EXAMPLES = {"--resume": "--resume runs/my-run", "--stop-at-step": "--stop-at-st
              "--set": "--set trainer.steps=100"}
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, with every error one line with its fix (``ScenarioError``), not the usage."""
-
-    def error(self, message: str) -> typing.NoReturn:
-        raise ScenarioError(_argument_error(message, [o for a in self._actions for o in a.option_strings]))
-
-
-def _argument_error(message: str, options: list[str]) -> str:
-    message = clipped(" ".join(message.split()))  # a long value is echoed, never whole
-    if message.startswith("unrecognized arguments: "):
-        given = message.split(": ", 1)[1].split()[0]
-        close = difflib.get_close_matches(given.split("=")[0], options, n=1, cutoff=0.75)
-        fix = f"did you mean {close[0]}?" if close else f"drop it; the options are {', '.join(o for o in options if o.startswith('--'))}"
-        return f"{given}: not an argument python -m harness.run takes (one scenario file, then options); fix: {fix}"
-    option = message[len("argument "):].split(":", 1)[0].split("/")[-1] if message.startswith("argument ") else None
-    example = _EXAMPLES.get(option, "")
-    if "invalid int value" in message or "not a whole number" in message:
-        return f"{message}; fix: give a whole number, e.g. {example}"
-    if "expected one argument" in message:
-        return f"{message}; fix: give it a value, e.g. {example}" if example else f"{message}; fix: give it a value"
-    return f"{message}; fix: see python -m harness.run --help"
-
-
-def _whole_number(text: str) -> int:
-    """A count given on the command line: digits, few enough to echo back in an error."""
-    if re.fullmatch(r"\s*[+-]?[0-9]{1,12}\s*", text) is None:
-        raise argparse.ArgumentTypeError(f"{text[:20]!r}{'...' if len(text) > 20 else ''} is not a whole number of at most 12 digits")
-    return int(text)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = _Parser(prog="python -m harness.run", description=__doc__.split("\n\n")[1])
+    p = OneLineParser(prog="python -m harness.run", description=__doc__.split("\n\n")[1], examples=_EXAMPLES,
+                      shape="one scenario file, then options")
     p.add_argument("scenario", nargs="?", help="scenario YAML, e.g. scenarios/quickstart.yaml")
     p.add_argument("--resume", type=Path, metavar="RUN_DIR",
                    help="go on with a run that stopped, from its latest checkpoints (modes already done are kept)")
-    p.add_argument("--stop-at-step", type=_whole_number, metavar="N",
+    p.add_argument("--stop-at-step", type=whole_number, metavar="N",
                    help="stop each mode after trainer step N, as a crash would, leaving its checkpoints for --resume")
     p.add_argument("--out", type=Path, help="run directory (default: runs/<name>-<timestamp>)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -122,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     started()
     try:
         args = parse_args(argv)
-    except ScenarioError as exc:
+    except ArgumentError as exc:
         Console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
     apply_env()

@@ -178,7 +178,7 @@ def _fix_for(err: dict, root: type[BaseModel]) -> tuple[str, str]:
     return err["msg"], "see the field's docstring in core/model/config.py"
 
 
-def _error_line(exc: ValidationError, origin: dict[str, str], root: type[BaseModel] = Scenario) -> str:
+def error_line(exc: ValidationError, origin: dict[str, str], root: type[BaseModel] = Scenario) -> str:
     err = exc.errors()[0]
     cause = err.get("ctx", {}).get("error")
     if isinstance(cause, ConfigError):
@@ -187,11 +187,12 @@ def _error_line(exc: ValidationError, origin: dict[str, str], root: type[BaseMod
         key = ".".join(str(p) for p in err["loc"]) or "(scenario)"
         value = err.get("input")
         problem, fix = _fix_for(err, root)
-    shown_value = "{...}" if isinstance(value, dict) else shown(value)
+    # A missing key's input is the mapping it is missing from: nothing to echo.
+    shown_value = "" if err["type"] == "missing" else " = " + ("{...}" if isinstance(value, dict) else shown(value))
     where = origin.get(key, origin.get("", ""))
     extra = len(exc.errors()) - 1
     more = f" ({extra} more problem{'s' if extra > 1 else ''} after this one)" if extra else ""
-    return f"{where}: {key} = {shown_value}: {problem}; fix: {fix}{more}"
+    return f"{where}: {key}{shown_value}: {problem}; fix: {fix}{more}"
 
 
 def _set(data: dict, key: str, value: Any, where: str) -> None:
@@ -231,7 +232,7 @@ def _build(data: dict, changes: list[tuple[str, Any, str]], origin: dict[str, st
     try:
         return root.model_validate(data)
     except ValidationError as exc:
-        raise ScenarioError(_error_line(exc, origin, root)) from None
+        raise ScenarioError(error_line(exc, origin, root)) from None
 
 
 def _parse_sets(overrides: list[str]) -> list[tuple[str, Any, str]]:

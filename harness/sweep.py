@@ -50,7 +50,7 @@ from harness.metrics import collect
 from harness.plots import grid_heatmap_png
 from harness import run_directory
 from harness.run_directory import RunDirectory, RunDirectoryError
-from harness.scenario import ScenarioError, _error_line, _parse_sets, _read
+from harness.scenario import ScenarioError, error_line, _parse_sets, _read
 
 SCHEMA = "asyncrl.sweep/1"
 DEFAULT_OBJECTIVE = "throughput/trained_tokens_per_s"  # honest: dropping long samples does not raise it
@@ -294,7 +294,7 @@ def _points(sweep: Sweep) -> list[Point]:
             if isinstance(cause, ConfigError):
                 points.append(Point(i, values, settings, label, refused=str(cause)))
                 continue
-            raise ScenarioError(_error_line(exc, {"": str(sweep.path), **origin_of})) from None
+            raise ScenarioError(error_line(exc, {"": str(sweep.path), **origin_of})) from None
         points.append(Point(i, values, settings, label, scenario=sc))
     return points
 

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from core.model.config import Scenario, with_changes
 from core.sim.phase_fit import fit_phases, phase_times
@@ -57,7 +58,11 @@ def test_published_verl_table_is_reproduced_at_its_fitted_setup():
     assert t["separated.update_actor_s"] == pytest.approx(setup["separated"]["update_actor_s"], rel=0.01)
     both = setup["colocated"]["update_actor_s"] + setup["colocated"]["old_log_prob_s"]
     assert t["colocated.update_actor_s"] + t["colocated.old_log_prob_s"] == pytest.approx(both, rel=0.01)
-    # only the 16:16 phase times are read: the other rows may say anything
+    # only the 16:16 phase times are fitted: the other rows, checked as well formed, change nothing
     for label in ("32:32", "64:64"):
-        table["setups"][label] = {"nonsense": True}
+        table["setups"][label]["colocated"]["gen_s"] *= 3
+        table["setups"][label]["separated"]["update_actor_s"] /= 2
     assert fit_phases(table)[0] == changes
+    table["setups"]["32:32"] = {"nonsense": True}
+    with pytest.raises(ValidationError, match="setups.32:32"):
+        fit_phases(table)

@@ -30,6 +30,7 @@ import math
 import numpy as np
 
 from core.model.config import Scenario, with_changes
+from core.model.phase_table import PhaseTable
 from core.sim.costs import DecodeCost, TrainCost, TransferCost, dp_comm_s
 from core.sim.workload import Workload
 
@@ -107,21 +108,13 @@ def _bisect(f, lo: float, hi: float, target: float, iters: int = 40, log: bool =
     return math.sqrt(lo * hi) if log else (lo + hi) / 2
 
 
-# Samples one published step trains: verl's table has 8,192. The fit prices every sample of a
-# step, so a table saying 10^12 ran for hours instead of being refused.
-MAX_PHASE_SAMPLES = 1_000_000
-
-def _samples_per_step(samples: object) -> int:
-    if isinstance(samples, bool) or not isinstance(samples, int) or not 1 <= samples <= MAX_PHASE_SAMPLES:
-        raise ValueError(f"samples_per_step = {samples!r} is not a whole number from 1 to {MAX_PHASE_SAMPLES:,}")
-    return samples
-
-
 def fit_phases(table: dict) -> tuple[dict[str, object], list[str]]:
     """The scenario dotted-key changes that give the cost components of the table's fitted setup,
-    and a line per fitted value saying what it came from and how well the phases are reproduced."""
-    base = Scenario.model_validate(table.get("scenario") or {})
-    samples = _samples_per_step(table["samples_per_step"])
+    and a line per fitted value saying what it came from and how well the phases are reproduced.
+    The table is checked whole first (``PhaseTable``: pydantic's ValidationError)."""
+    checked = PhaseTable.model_validate(table)
+    base, samples = checked.scenario, checked.samples_per_step
+    table = checked.model_dump(exclude={"scenario"})
     label = str(table["fit"])
     setup = table["setups"][label]
     colo, sep = setup["colocated"], setup["separated"]
