@@ -22,13 +22,18 @@ loggers that history again (TensorBoard's event files are written anew; W&B and 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+import io
 import json
 import math
 import numbers
 import os
+import socket
 import time
+import urllib.parse
+import urllib.request
 from pathlib import Path
 from typing import Optional, Protocol
 
@@ -73,12 +78,85 @@ class MetricsFileError(ValueError):
 
 
 def check_loggers(loggers: tuple[str, ...]) -> None:
-    """Every logger listed can be imported; else one line naming it and its install (before anything runs)."""
+    """Every logger listed can start, as far as can be told before anything runs: its package
+    imports, W&B has a login where it runs online, MLflow's tracking server (an http(s)
+    ``MLFLOW_TRACKING_URI``) takes a connection. Else one line naming the logger and the fix."""
     for name in loggers:
         module, install = PACKAGES[name]
         if not installed(module):
             raise ScenarioError(f"report.loggers = {list(loggers)}: {name} is not installed; fix: {install}, "
                                 f"or drop {name} from report.loggers")
+        try:
+            with _quiet():
+                importlib.import_module(module)
+        except Exception as exc:  # a broken install fails as anything (a protobuf or numpy mismatch)
+            raise ScenarioError(f"report.loggers: {name} is installed but fails as it is imported ({_first_line(exc)}); "
+                                f"fix: {install} --force-reinstall, or drop {name} from report.loggers") from None
+        if name == "wandb":
+            _check_wandb_login()
+        elif name == "mlflow":
+            _check_mlflow_server()
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+
+
+@contextlib.contextmanager
+def _quiet():
+    """What a logger's package prints as it is imported or checked (W&B's banners): not the harness's terminal."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        yield
+
+
+_WANDB_LOCAL = ("offline", "dryrun", "disabled")  # W&B's modes that never contact a server
+_WANDB_MODES = ("online", "run", "shared", *_WANDB_LOCAL)
+
+
+def _check_wandb_login() -> None:
+    mode = os.environ.get("WANDB_MODE", "online")
+    if mode in _WANDB_LOCAL:
+        return
+    if mode not in _WANDB_MODES:
+        raise ScenarioError(f"report.loggers: WANDB_MODE = {mode[:40]!r} is not a mode W&B has ({', '.join(_WANDB_MODES)}); "
+                            "fix: export WANDB_MODE=offline, or unset it to run online")
+    wandb = importlib.import_module("wandb")
+    try:
+        with _quiet():
+            ok = wandb.login(verify=False, timeout=CONNECT_TIMEOUT_S)  # reads the key (env, netrc); no network
+    except Exception as exc:
+        ok, why = False, _first_line(exc)
+    else:
+        why = "no key"
+    finally:
+        wandb.teardown()  # the settings the check read stay behind in W&B's process-wide state otherwise
+    if not ok:
+        raise ScenarioError(f"report.loggers: wandb runs online and has no login ({why}); fix: wandb login, or export "
+                            "WANDB_API_KEY, or WANDB_MODE=offline to keep the run on this machine (wandb sync uploads it later)")
+
+
+def _check_mlflow_server() -> None:
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    parts = urllib.parse.urlsplit(uri)
+    if parts.scheme not in ("http", "https"):
+        return  # a local store, or a scheme MLflow's plugins resolve
+    try:
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        host = port = None
+    if not host:
+        raise ScenarioError(f"report.loggers: MLFLOW_TRACKING_URI = {uri[:200]!r} names no host and port; "
+                            "fix: export MLFLOW_TRACKING_URI=http://HOST:PORT, or unset it for a store in the run directory")
+    proxies = urllib.request.getproxies()
+    if parts.scheme in proxies and not urllib.request.proxy_bypass(host):
+        return  # reached through a proxy: a connection of our own would tell nothing
+    try:
+        socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        why = "no answer in {} s".format(CONNECT_TIMEOUT_S) if isinstance(exc, TimeoutError) else (exc.strerror or type(exc).__name__)
+        raise ScenarioError(f"report.loggers: mlflow's tracking server {parts.scheme}://{host}:{port} (MLFLOW_TRACKING_URI) "
+                            f"cannot be reached ({why}); fix: start it or correct MLFLOW_TRACKING_URI, or unset it for a store "
+                            "in the run directory, or drop mlflow from report.loggers") from None
 
 
 def as_line(event: Progress) -> dict:
@@ -236,9 +314,8 @@ class MetricsStream:
             self._close_sinks(failed=True)
             if started == len(loggers):  # every logger started: the metrics file failed
                 raise
-            first = (str(exc).strip().splitlines() or [""])[0][:200]
             raise LoggerFailed(
-                f"report.loggers: {loggers[started]} could not start ({type(exc).__name__}: {first}); fix: check its "
+                f"report.loggers: {loggers[started]} could not start ({_first_line(exc)}); fix: check its "
                 "server, login and install (WANDB_MODE=offline or an MLFLOW_TRACKING_URI it can reach), or drop it from report.loggers"
             ) from None
         except BaseException:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import codecs
 import copy
 import difflib
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,9 +174,21 @@ def _fix_for(err: dict, root: type[BaseModel]) -> tuple[str, str]:
         return "is not a finite number", "use a finite number (no .inf or .nan)"
     if kind == "too_long":
         return f"has more than {ctx.get('max_length')} entries", f"list at most {ctx.get('max_length')}"
+    if kind in ("int_parsing", "int_from_float", "int_type") and _whole(err.get("input")) is not None:
+        # YAML 1.1 reads 1e6 (no dot) as text, and 1.0e6 as a float: either means this count.
+        return "is not written as a whole number", f"write {_whole(err['input'])}"
     if kind.startswith(("int_", "float_", "bool_", "string_", "tuple_", "list_", "dict_", "model_")):
         return err["msg"].lower(), "write a value of that type"
     return err["msg"], "see the field's docstring in core/model/config.py"
+
+
+def _whole(value: object) -> Optional[int]:
+    """The whole number a count written as ``1e6`` or ``1.0e6`` stands for, or None."""
+    try:
+        x = float(value) if isinstance(value, (str, float)) and not isinstance(value, bool) else None
+    except ValueError:
+        return None
+    return int(x) if x is not None and math.isfinite(x) and x == int(x) and abs(x) <= 2**53 else None
 
 
 def error_line(exc: ValidationError, origin: dict[str, str], root: type[BaseModel] = Scenario) -> str:

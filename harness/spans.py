@@ -131,7 +131,8 @@ def read_spans(path: Path, mode: str) -> dict:
         key = ".".join(str(p) for p in err["loc"])
         cause = err.get("ctx", {}).get("error")
         problem = f"{cause.key}: {cause.problem}" if isinstance(cause, ConfigError) else err["msg"].lower()
-        raise SpansError(f"{path}: {key} = {shown(err.get('input'))}: {problem}; fix: {_FIX}") from None
+        value = "" if err["type"] == "missing" else f" = {shown(err.get('input'))}"  # a missing key's input is its parent
+        raise SpansError(f"{path}: {key}{value}: {problem}; fix: {_FIX}") from None
     if data["mode"] != mode:
         raise SpansError(f"{path}: the spans of mode {shown(data['mode'])}, not of {mode!r}; fix: {_FIX}")
     return {**data, "scenario": spans.scenario.model_dump(mode="json")}  # defaults filled in

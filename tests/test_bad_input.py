@@ -1824,3 +1824,298 @@ def test_ctrl_c_while_the_command_imports_is_one_line_and_130(tmp_path):
     told = [x for x in err.splitlines() if not x.startswith("import time:")]
     assert told == ["interrupted while starting; nothing was run"], err[-2000:]
     assert not out.exists()
+
+
+# ==== calibrate: what it reads, and a user's files beside what it writes (issue 40) ==============
+# Each case: exit 2, one error line with its fix, nothing under the run's parent written or
+# removed, in less than 5 s. calibrate's outputs lie in the user's tree, outside any stamped run
+# directory: created anew, never replacing a file unasked, never through a link or into a device.
+def _calibrate_refused(argv: list[str], capsys, fragments: list[str], watched: Path) -> str:
+    from harness.calibrate import main as calibrate
+
+    before = tree(watched)
+    t0 = time.monotonic()
+    rc = calibrate(argv)
+    elapsed = time.monotonic() - t0
+    err = one_error(capsys)
+    assert rc == 2, err
+    for fragment in fragments:
+        assert fragment in err, f"{fragment!r} not in {err!r}"
+    assert tree(watched) == before
+    assert elapsed < 5, f"took {elapsed:.1f} s"
+    return err
+
+
+def _spans_run(tmp_path: Path, spans: object) -> Path:
+    """A run directory whose sync mode holds ``spans`` (JSON; a str is written as it is)."""
+    run = tmp_path / "run"
+    (run / "sync").mkdir(parents=True)
+    (run / "sync" / "spans.json").write_text(spans if isinstance(spans, str) else json.dumps(spans))
+    return run
+
+
+def _good_spans() -> dict:
+    from tests.test_calibrate import synthetic_spans, truth
+
+    return synthetic_spans(truth())
+
+
+def _spans_with(path: tuple, value: object) -> typing.Callable[[dict], object]:
+    def change(spans: dict) -> object:
+        *parents, last = path
+        d = spans
+        for key in parents:
+            d = d[key]
+        if value is KeyError:
+            del d[last]
+        else:
+            d[last] = value
+        return spans
+    return change
+
+
+DECODE = ("engines", "engine000", "decode")
+SPANS_CASES = [
+    ("row_too_short", _spans_with((*DECODE, 0), [1, 2]), ["engines.engine000.decode.0", "fix: run the scenario again"]),
+    ("seconds_nan", _spans_with(("train", 0, 2), math.nan), ["train.0.2 = nan", "finite number"]),
+    ("seconds_negative", _spans_with((*DECODE, 3, 2), -1.0), ["engines.engine000.decode.3.2 = -1.0", "greater than or equal to 0"]),
+    ("figure_past_any_run", _spans_with(("train", 1, 1), 1e300), ["train.1.1 = 1e+300", "less than or equal to 1000000000000000000"]),
+    ("length_a_string", _spans_with(("response_lens", 0), "12"), ["response_lens.0 = '12'", "valid integer"]),
+    ("length_negative", _spans_with(("prompt_lens", 5), -1), ["prompt_lens.5 = -1"]),
+    ("train_missing", _spans_with(("train",), KeyError), ["spans.json: train: field required"]),
+    ("train_not_a_list", _spans_with(("train",), 7), ["train = 7", "valid list"]),
+    ("placement_a_bool", _spans_with(("placement", "trainer_gpus"), True), ["placement.trainer_gpus = True"]),
+    ("engine_rows_unknown", _spans_with(("engines", "engine000", "decoded"), []), ["engines.engine000.decoded", "extra inputs"]),
+    ("scenario_broken", _spans_with(("scenario", "trainer", "steps"), 0), ["scenario.trainer.steps = 0"]),
+    ("scenario_a_list", _spans_with(("scenario",), [1]), ["scenario = [1]"]),
+    ("of_another_mode", _spans_with(("mode",), "async"), ["the spans of mode 'async', not of 'sync'"]),
+    ("of_another_schema", _spans_with(("schema",), "asyncrl.spans/0"), ["not a spans file of schema asyncrl.spans/1", "'asyncrl.spans/0'"]),
+    ("a_list", lambda spans: [spans], ["a JSON list, not the object asyncrl writes"]),
+    ("not_json", lambda spans: '{"schema": "asyncrl.spans/1", "train": [', ["not JSON", "fix:"]),
+    ("nested_10000_deep", lambda spans: NESTED, ["nested more than", "fix:"]),
+]
+
+
+@pytest.mark.parametrize("damage,fragments", [c[1:] for c in SPANS_CASES], ids=[c[0] for c in SPANS_CASES])
+def test_a_damaged_spans_file_is_one_line(damage, fragments, tmp_path, capsys):
+    run = _spans_run(tmp_path, damage(_good_spans()))
+    _calibrate_refused([str(run), "-o", str(tmp_path / "cal.yaml")], capsys, [str(run / "sync" / "spans.json"), *fragments], tmp_path)
+
+
+def _table() -> dict:
+    import yaml
+
+    return yaml.safe_load((ROOT / "scenarios" / "published" / "verl-fully-async-7b.yaml").read_text())
+
+
+SETUP = ("setups", "16:16")
+TABLE_CASES = [
+    ("phase_time_nan", _spans_with((*SETUP, "colocated", "gen_s"), math.nan), ["setups.16:16.colocated.gen_s = nan", "finite number"]),
+    ("phase_time_zero", _spans_with((*SETUP, "separated", "update_actor_s"), 0), ["setups.16:16.separated.update_actor_s = 0", "fix: use a value > 0"]),
+    ("phase_time_a_bool", _spans_with((*SETUP, "colocated", "step_s"), True), ["setups.16:16.colocated.step_s = True"]),
+    ("phase_missing", _spans_with((*SETUP, "colocated", "old_log_prob_s"), KeyError), ["setups.16:16.colocated.old_log_prob_s: is required; fix: add it"]),
+    ("a_checking_row_damaged", _spans_with(("setups", "64:64", "colocated"), "fast"), ["setups.64:64.colocated = 'fast'"]),
+    ("fit_not_a_setup", _spans_with(("fit",), "8:8"), ["fit = '8:8': is not a setup of the table", "fix: use one of ['16:16', '32:32', '64:64']"]),
+    ("gpus_the_engines_cannot_split", _spans_with((*SETUP, "rollout_gpus"), 6),
+     ["setup '16:16': its rollout_gpus and trainer_gpus give resources.rollout_gpus = 6", "fix: use a multiple of 4"]),
+    ("samples_per_step_text", _spans_with(("samples_per_step",), "8k"), ["samples_per_step = '8k'"]),
+    ("samples_per_step_1e6_as_text", _spans_with(("samples_per_step",), "1e6"), ["samples_per_step = '1e6'", "fix: write 1000000"]),
+    ("scenario_key_misspelt", _spans_with(("scenario", "trainr"), {}), ["scenario.trainr", "unknown key", "did you mean 'trainer'?"]),
+    ("setups_empty", _spans_with(("setups",), {}), ["setups = {...}", "at least 1 item"]),
+]
+
+
+@pytest.mark.parametrize("damage,fragments", [c[1:] for c in TABLE_CASES], ids=[c[0] for c in TABLE_CASES])
+def test_a_damaged_table_of_phase_times_is_one_line(damage, fragments, tmp_path, capsys):
+    import yaml
+
+    path = tmp_path / "phases.yaml"
+    path.write_text(yaml.safe_dump(damage(_table())))
+    _calibrate_refused([str(path)], capsys, [str(path), *fragments], tmp_path)
+
+
+REPORT_CASES = [
+    ("garbage", "{not json", ["report.json: line 1, column 2: not JSON"]),
+    ("a_figure_a_string", json.dumps({"schema": "asyncrl.report/1", "mode": "sync", "metrics": {"throughput/trained_samples_per_s": "x"},
+                                      "series": {}, "scenario": {}}), ["metrics.throughput/trained_samples_per_s = x is not a number"]),
+    ("of_another_mode", json.dumps({"schema": "asyncrl.report/1", "mode": "async", "metrics": {}, "series": {}, "scenario": {}}),
+     ["the report of mode 'async', not of mode 'sync'"]),
+]
+
+
+@pytest.mark.parametrize("text,fragments", [c[1:] for c in REPORT_CASES], ids=[c[0] for c in REPORT_CASES])
+def test_predict_reads_each_report_before_it_writes(text, fragments, tmp_path, capsys):
+    run = _spans_run(tmp_path, _good_spans())
+    (run / "sync" / "report.json").write_text(text)
+    _calibrate_refused([str(run), "-o", str(tmp_path / "cal.yaml"), "--predict"], capsys, fragments, tmp_path)
+    assert not (tmp_path / "cal.lengths.json").exists()
+
+
+CALIBRATE_ARG_CASES = [
+    ("mode_a_path", ["--mode", "/etc"], ["argument --mode: invalid choice: '/etc'", "fix: give one of those, e.g. --mode sync"]),
+    ("out_names_no_file", ["-o", ""], ["names no file", "fix: name a new YAML file"]),
+    ("out_the_root", ["-o", "/"], ["names no file"]),
+    ("factor_infinite", ["--separated-decode-speedup", "inf"], ["must be a finite number > 0"]),
+    ("factor_not_a_number", ["--separated-decode-speedup", "x"], ["invalid float value: 'x'", "fix: give a number"]),
+    ("speedup_malformed", ["--train-speedup", "one=fast"], ["expected DEVICES=SPEED"]),
+    ("unknown_flag", ["--bogus"], ["--bogus: not an argument python -m harness.calibrate takes", "fix: drop it; the options are"]),
+    ("value_missing", ["--train-speedup"], ["expected one argument", "fix: give it a value, e.g. --train-speedup 1=0.55"]),
+]
+
+
+@pytest.mark.parametrize("argv,fragments", [c[1:] for c in CALIBRATE_ARG_CASES], ids=[c[0] for c in CALIBRATE_ARG_CASES])
+def test_a_calibrate_argument_error_is_one_line_not_the_usage(argv, fragments, tmp_path, capsys):
+    run = _spans_run(tmp_path, _good_spans())
+    err = _calibrate_refused([str(run), *argv], capsys, fragments, tmp_path)
+    assert "usage:" not in err
+
+
+def test_a_table_of_phase_times_takes_no_run_options(tmp_path, capsys):
+    import yaml
+
+    path = tmp_path / "phases.yaml"
+    path.write_text(yaml.safe_dump(_table()))
+    _calibrate_refused([str(path), "-o", str(tmp_path / "cal.yaml")], capsys,
+                       ["--out: fits from a run directory", "is a table of phase times", "fix: drop --out"], tmp_path)
+
+
+@pytest.mark.parametrize("case", ["exists", "lengths-exists", "symlink", "device", "directory"])
+def test_calibrate_never_writes_over_a_users_file(tmp_path, capsys, case):
+    run = _spans_run(tmp_path, _good_spans())
+    mine = tmp_path / "mine.txt"
+    mine.write_text("the user's\n")
+    out = tmp_path / "cal.yaml"
+    if case == "exists":
+        out.write_text("the user's scenario\n")
+    elif case == "lengths-exists":
+        (tmp_path / "cal.lengths.json").write_text("[1]\n")
+    elif case == "symlink":
+        out.symlink_to(mine)
+    elif case == "directory":
+        out.mkdir()
+    else:
+        out = Path("/dev/null")
+    fragment = {"exists": "exists, and calibrate does not replace a file unasked", "lengths-exists": "cal.lengths.json: exists",
+                "symlink": "is a symbolic link, which calibrate never writes through", "device": "is not a regular file",
+                "directory": "is a directory"}[case]
+    _calibrate_refused([str(run), "-o", str(out)], capsys, [fragment, "fix:"], tmp_path)
+    assert mine.read_text() == "the user's\n"
+    assert not Path("/dev/null.lengths.json").exists()
+
+
+def test_calibrate_replaces_its_own_output_with_force(tmp_path, capsys):
+    from harness.calibrate import main as calibrate
+
+    run = _spans_run(tmp_path, _good_spans())
+    out = tmp_path / "cal.yaml"
+    assert calibrate([str(run), "-o", str(out)]) == 0
+    first = out.read_text()
+    capsys.readouterr()
+    _calibrate_refused([str(run), "-o", str(out)], capsys, ["pass --force"], tmp_path)  # a second time: it exists now
+    assert calibrate([str(run), "-o", str(out), "--force"]) == 0
+    assert out.read_text().splitlines()[1:] == first.splitlines()[1:]  # the command line aside, the same fit
+
+
+# ==== Loggers that cannot start: refused before anything runs (issue 40) =========================
+LOGGED = [QUICK, "--no-plots", *sets("trainer.steps=4", "modes=[async]")]
+
+
+@pytest.fixture
+def no_proxy(monkeypatch):
+    for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _logged(tmp_path: Path, logger: str) -> list[str]:
+    return [*LOGGED, "--out", str(tmp_path / "w" / "run"), *sets(f"report.loggers=[{logger}]")]
+
+
+def test_a_broken_wandb_install_is_one_line(tmp_path, capsys, monkeypatch):
+    """wandb is found but fails as it is imported, as a protobuf mismatch makes it fail."""
+    fake = tmp_path / "site" / "wandb"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise AttributeError(\"module 'google.protobuf.descriptor' has no attribute '_internal_create_key'\")\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    for name in [m for m in sys.modules if m == "wandb" or m.startswith("wandb.")]:
+        monkeypatch.delitem(sys.modules, name)
+    (tmp_path / "w").mkdir()
+    refused(capsys, _logged(tmp_path, "wandb"),
+            ["report.loggers: wandb is installed but fails as it is imported (AttributeError: module 'google.protobuf.descriptor'",
+             "fix: pip install wandb --force-reinstall, or drop wandb from report.loggers"], tmp_path / "w")
+
+
+def test_wandb_online_without_a_login_is_one_line(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("wandb")
+    home = tmp_path / "home"
+    home.mkdir()
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(home))  # no ~/.netrc
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(home / "wandb-config"))
+    (tmp_path / "w").mkdir()
+    refused(capsys, _logged(tmp_path, "wandb"),
+            ["report.loggers: wandb runs online and has no login", "fix: wandb login, or export WANDB_API_KEY, or WANDB_MODE=offline"],
+            tmp_path / "w")
+
+
+def test_a_wandb_mode_wandb_does_not_have_is_one_line(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "")  # W&B itself fails on it with a pydantic traceback
+    (tmp_path / "w").mkdir()
+    refused(capsys, _logged(tmp_path, "wandb"), ["WANDB_MODE = '' is not a mode W&B has", "fix: export WANDB_MODE=offline"], tmp_path / "w")
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed as the block ends: a connection is refused
+
+
+@pytest.mark.parametrize("uri,fragments", [
+    ("http://127.0.0.1:{port}", ["mlflow's tracking server http://127.0.0.1:{port} (MLFLOW_TRACKING_URI) cannot be reached (Connection refused)",
+                                 "fix: start it or correct MLFLOW_TRACKING_URI"]),
+    ("http://:5000", ["MLFLOW_TRACKING_URI = 'http://:5000' names no host and port", "fix: export MLFLOW_TRACKING_URI=http://HOST:PORT"]),
+    ("https://tracking:port", ["names no host and port"]),
+], ids=["refused", "no_host", "port_not_a_number"])
+def test_an_mlflow_server_that_cannot_be_reached_is_one_line(uri, fragments, tmp_path, capsys, monkeypatch, no_proxy):
+    pytest.importorskip("mlflow")
+    port = _closed_port()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri.format(port=port))
+    (tmp_path / "w").mkdir()
+    refused(capsys, _logged(tmp_path, "mlflow"), [f.format(port=port) for f in fragments], tmp_path / "w")
+
+
+def test_an_mlflow_server_that_never_answers_is_given_up_on_after_the_connect_timeout(tmp_path, capsys, monkeypatch, no_proxy):
+    """A black-holed address: the connection is given CONNECT_TIMEOUT_S, then one line (the
+    timeout is shortened here; the socket's own wait is what is exercised)."""
+    import socket
+
+    import harness.live_metrics as live
+
+    pytest.importorskip("mlflow")
+    waited = []
+
+    def black_hole(address, timeout):
+        waited.append(timeout)
+        raise socket.timeout("timed out")
+
+    monkeypatch.setattr(live.socket, "create_connection", black_hole)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://10.255.255.1:5000")
+    (tmp_path / "w").mkdir()
+    refused(capsys, _logged(tmp_path, "mlflow"), ["http://10.255.255.1:5000 (MLFLOW_TRACKING_URI) cannot be reached (no answer in 30 s)"],
+            tmp_path / "w")
+    assert waited == [live.CONNECT_TIMEOUT_S]
+
+
+# ==== A count written as 1e6 (issue 40) ===========================================================
+def test_a_count_written_1e6_is_one_line_with_the_number_to_write(tmp_path, capsys):
+    """YAML reads 1e6 (no dot, no exponent sign) as text: refused at once, naming the number,
+    whether written in the file or given with --set."""
+    path = tmp_path / "dqn.yaml"
+    path.write_text((ROOT / "scenarios" / "cartpole-dqn.yaml").read_text().replace("\nenv:\n", "\nenv:\n  n_step: 1e6\n", 1))
+    fragment = "env.n_step = '1e6': is not written as a whole number; fix: write 1000000"
+    refused(capsys, [str(path), "--no-plots", "--out", str(tmp_path / "run")], [str(path), fragment], tmp_path)
+    refused(capsys, [DQN, "--no-plots", "--out", str(tmp_path / "run"), *sets("env.n_step=1e6")], ["--set env.n_step=1e6", fragment], tmp_path)

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Annotated, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
-from core.model.config import MAX_DEVICES, MAX_FLOAT, Scenario, refused
+from core.model.config import MAX_DEVICES, MAX_FLOAT, ConfigError, Scenario, refused, shown, with_changes
 
 # The most samples one published step trains (verl's table: 8,192). The fit prices every sample
 # of a step, so a table saying 10^12 ran for hours instead of being refused.
@@ -77,6 +78,21 @@ class PhaseTable(_Frozen):
     fit: Annotated[str, Strict()]
     """The setup whose phase times are fitted; the others check the prediction."""
 
+    @field_validator("setups")
+    @classmethod
+    def _placeable(cls, setups: dict[str, PhaseSetup], info: ValidationInfo) -> dict[str, PhaseSetup]:
+        """Each setup's separated and colocated runs can be placed with the scenario's engines."""
+        base = info.data.get("scenario")
+        for label, setup in setups.items() if base is not None else ():
+            g = setup.colocated_gpus
+            for keys, gpus in ((("rollout_gpus", "trainer_gpus"), (setup.rollout_gpus, setup.trainer_gpus)),
+                               (("colocated_gpus",), (g // 2 + g % 2, g // 2))):
+                try:
+                    with_changes(base, {"resources.rollout_gpus": gpus[0], "resources.trainer_gpus": gpus[1]})
+                except ValidationError as exc:
+                    raise _unplaceable(label, " and ".join(keys), exc.errors()[0]) from None
+        return setups
+
     @field_validator("fit")
     @classmethod
     def _listed(cls, fit: str, info: ValidationInfo) -> str:
@@ -84,3 +100,14 @@ class PhaseTable(_Frozen):
         if setups is not None and fit not in setups:
             raise refused("is not a setup of the table", f"use one of {sorted(setups)}")
         return fit
+
+
+def _unplaceable(label: str, keys: str, err: dict) -> PydanticCustomError:
+    """A setup whose GPU counts the scenario cannot place: what they give, and its fix."""
+    cause = err.get("ctx", {}).get("error")
+    if isinstance(cause, ConfigError):
+        given, value, problem, fix = cause.key, cause.value, cause.problem, cause.fix
+    else:
+        given, value = ".".join(map(str, err["loc"])), err.get("input")
+        problem, fix = err["msg"].lower(), err.get("ctx", {}).get("fix", f"give {keys} GPU counts the scenario can place")
+    return refused(f"setup {label!r}: its {keys} give {given} = {shown(value)}: {problem}", fix)
