@@ -147,6 +147,17 @@ def _model_at(loc: tuple, root: type[BaseModel] = Scenario) -> type[BaseModel] |
     return model
 
 
+# What to write for a value of the wrong type, by pydantic's error kind.
+_TYPE_FIXES = (
+    ("bool_", "write true or false"),
+    ("int_", "write a whole number"),
+    ("float_", "write a number"),
+    ("string_", "write text (in quotes if YAML would read it as something else)"),
+    (("list_", "tuple_", "set_"), "write a list, e.g. [a, b]"),
+    (("dict_", "model_"), "write a mapping of its keys (key: value, or {key: value} in --set)"),
+)
+
+
 def _fix_for(err: dict, root: type[BaseModel]) -> tuple[str, str]:
     """(problem, fix) for one pydantic error."""
     kind, ctx, loc = err["type"], err.get("ctx", {}), err["loc"]
@@ -177,9 +188,10 @@ def _fix_for(err: dict, root: type[BaseModel]) -> tuple[str, str]:
     if kind in ("int_parsing", "int_from_float", "int_type") and _whole(err.get("input")) is not None:
         # YAML 1.1 reads 1e6 (no dot) as text, and 1.0e6 as a float: either means this count.
         return "is not written as a whole number", f"write {_whole(err['input'])}"
-    if kind.startswith(("int_", "float_", "bool_", "string_", "tuple_", "list_", "dict_", "model_")):
-        return err["msg"].lower(), "write a value of that type"
-    return err["msg"], "see the field's docstring in core/model/config.py"
+    for prefix, fix in _TYPE_FIXES:
+        if kind.startswith(prefix):
+            return err["msg"].lower(), fix
+    return err["msg"], f"see the field's docstring in {root.__module__.replace('.', '/')}.py"
 
 
 def _whole(value: object) -> Optional[int]:
@@ -202,7 +214,9 @@ def error_line(exc: ValidationError, origin: dict[str, str], root: type[BaseMode
         problem, fix = _fix_for(err, root)
     # A missing key's input is the mapping it is missing from: nothing to echo.
     shown_value = "" if err["type"] == "missing" else " = " + ("{...}" if isinstance(value, dict) else shown(value))
-    where = origin.get(key, origin.get("", ""))
+    parts = key.split(".")
+    # The file, or the --set that gave the key or a section above it (--set filter={...}).
+    where = next((origin[k] for k in (".".join(parts[:i]) for i in range(len(parts), 0, -1)) if k in origin), origin.get("", ""))
     extra = len(exc.errors()) - 1
     more = f" ({extra} more problem{'s' if extra > 1 else ''} after this one)" if extra else ""
     return f"{where}: {key}{shown_value}: {problem}; fix: {fix}{more}"

@@ -2119,3 +2119,16 @@ def test_a_count_written_1e6_is_one_line_with_the_number_to_write(tmp_path, caps
     fragment = "env.n_step = '1e6': is not written as a whole number; fix: write 1000000"
     refused(capsys, [str(path), "--no-plots", "--out", str(tmp_path / "run")], [str(path), fragment], tmp_path)
     refused(capsys, [DQN, "--no-plots", "--out", str(tmp_path / "run"), *sets("env.n_step=1e6")], ["--set env.n_step=1e6", fragment], tmp_path)
+
+
+# ==== Every pydantic error carries a fix that says what to write (issue 40) =======================
+@pytest.mark.parametrize("item,fragments", [
+    ("filter={zero_variance: x}", ["--set filter={zero_variance: x}: filter.zero_variance = 'x'", "fix: write true or false"]),
+    ("faults=[1]", ["--set faults=[1]: faults.0 = 1", "fix: write a mapping of its keys"]),
+    ("modes=x", ["modes = 'x'", "fix: write a list, e.g. [a, b]"]),
+    ("seed=x", ["seed = 'x'", "fix: write a whole number"]),
+    ("name=[1]", ["name = [1]", "fix: write text"]),
+    ("trainer.mfu=x", ["trainer.mfu = 'x'", "fix: write a number"]),
+], ids=["bool", "mapping_in_a_list", "list", "int", "str", "float"])
+def test_a_value_of_the_wrong_type_says_what_to_write_and_where_it_came_from(item, fragments, tmp_path, capsys):
+    refused(capsys, [QUICK, "--no-plots", "--out", str(tmp_path / "run"), "--set", item], fragments, tmp_path)
