@@ -41,9 +41,6 @@ from rich.markup import escape
 from core.model.config import ConfigError, Placement, Scenario, set_dotted, shown, with_changes
 from core.runtimes.dispatch import run_mode
 
-# A grid this large takes hours on a workstation (a point of longtail-128gpu is seconds of CPU); a
-# grid of a million points was built, validated point by point and held in memory before any ran.
-MAX_POINTS = 10_000
 from harness import report
 from harness.console import sweep_table
 from harness.metrics import collect
@@ -53,6 +50,11 @@ from harness.run_directory import RunDirectory, RunDirectoryError
 from harness.scenario import ScenarioError, error_line, _parse_sets, _read
 
 SCHEMA = "asyncrl.sweep/1"
+# A grid this large takes hours on a workstation (a point of longtail-128gpu is seconds of CPU); a
+# grid of a million points was built, validated point by point and held in memory before any ran.
+MAX_POINTS = 10_000
+# Each worker is a process of its own (about 100 MB): a slip of zeros would fork the machine to death.
+MAX_WORKERS = 256
 DEFAULT_OBJECTIVE = "throughput/trained_tokens_per_s"  # honest: dropping long samples does not raise it
 RESOURCE_KEYS = {"gpus": "total GPUs of the point's placement in the ranked mode"}
 SECTION_KEYS = ("axes", "constraints", "objective", "goal", "mode", "workers", "heatmap")
@@ -173,8 +175,9 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> Sweep:
     if not isinstance(objective, str) or "/" not in objective:
         raise ScenarioError(f"{at}.objective = {shown(objective)}: is not a report metric; fix: name one such as {DEFAULT_OBJECTIVE}")
     workers = body.get("workers", os.cpu_count() or 1)
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ScenarioError(f"{at}.workers = {shown(workers)}: must be a whole number >= 1; fix: use e.g. {os.cpu_count()} (this machine's CPUs)")
+    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
+        raise ScenarioError(f"{at}.workers = {shown(workers)}: must be a whole number from 1 to {MAX_WORKERS}; "
+                            f"fix: use e.g. {os.cpu_count()} (this machine's CPUs)")
     constraints = _constraints(body.get("constraints", []), at)
     heatmap = body.get("heatmap", [a.name for a in axes[:2]])
     names = [a.name for a in axes]

@@ -1766,6 +1766,14 @@ def test_a_sweep_of_a_million_points_is_refused_before_any_is_built(tmp_path, ca
     assert tree(tmp_path) == before
 
 
+def test_a_sweep_of_a_million_workers_is_refused_before_any_starts(tmp_path, capsys):
+    path = tmp_path / "forks.yaml"
+    path.write_text("name: forks\nmodes: [partial]\nsweep:\n  axes:\n    trainer.steps: [2, 3]\n  workers: 1000000\n")
+    before = tree(tmp_path)
+    _refused_fast([str(path), "--out", str(tmp_path / "out")], capsys, ["sweep.workers = 1000000", "from 1 to 256", "fix:"])
+    assert tree(tmp_path) == before
+
+
 def test_a_yaml_alias_bomb_in_a_lengths_file_is_refused_without_building_it(tmp_path, capsys):
     bomb = tmp_path / "lengths.yaml"
     lines = ["a0: &a0 [100, 200, 300, 400, 500, 600, 700, 800, 900, 1000]"]
