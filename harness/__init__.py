@@ -22,3 +22,32 @@ def started() -> None:
     """The command's imports are done: Ctrl-C raises KeyboardInterrupt again, which it handles."""
     if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def command_line(main) -> int:
+    """``main()`` as a command: an exception no check foresaw (a bug, a disk that fills up) ends
+    in one ``error:`` line, its traceback kept in a new file for a report, and exit code 1."""
+    try:
+        return main()
+    except Exception as exc:  # KeyboardInterrupt and SystemExit are the command's own
+        sys.stderr.write(f"error: {unforeseen(exc)}\n")
+        return 1
+
+
+def unforeseen(exc: BaseException) -> str:
+    """The line for ``exc``; its traceback goes to a file created anew in the temp directory."""
+    import tempfile
+    import traceback
+
+    what = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+    if isinstance(exc, OSError) and exc.errno is not None and exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror} ({type(exc).__name__}); fix: check that path: the space left on its disk, its permissions"
+    fd, path = tempfile.mkstemp(prefix="asyncrl-traceback-", suffix=".txt")
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(traceback.format_exception(exc)))
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = frames[-1].filename if frames else ""
+    if where and not os.path.relpath(where).startswith(".."):
+        where = os.path.relpath(where)  # the project's own files, as the repository names them
+    at = f" at {where}:{frames[-1].lineno}" if frames else ""
+    return f"asyncrl failed ({what}{at}), which no check of its input foresaw; fix: report it with the traceback in {path}"

@@ -43,7 +43,7 @@ from core.model.regular_file import UnreadableFile, read_regular
 from core.model.run_plan import RunPlan
 from core.runtimes.sim import run_sim
 from core.sim.phase_fit import fit_phases
-from harness import report, started
+from harness import command_line, report, started
 from harness.arguments import ArgumentError, OneLineParser
 from harness.scenario import error_line
 from harness.spans import SpansError, read_spans
@@ -469,4 +469,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command_line(main))

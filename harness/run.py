@@ -42,7 +42,7 @@ from core.store.checkpoint import CheckpointError
 from core.model.config import ConfigError, with_changes
 from core.model.env_config import EnvScenario
 from core.model.owned import is_owned
-from harness import report, started
+from harness import command_line, report, started
 from harness.console import (
     ModeProgress, agent_lines, comparison_table, correction_lines, faults_table, honesty_lines, implied_mfu_lines, published_table,
     seeds_table, target_table,
@@ -454,4 +454,4 @@ def _run_modes(
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command_line(main))

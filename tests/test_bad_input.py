@@ -2140,3 +2140,51 @@ def test_a_count_written_1e6_is_one_line_with_the_number_to_write(tmp_path, caps
 ], ids=["bool", "mapping_in_a_list", "list", "int", "str", "float"])
 def test_a_value_of_the_wrong_type_says_what_to_write_and_where_it_came_from(item, fragments, tmp_path, capsys):
     refused(capsys, [QUICK, "--no-plots", "--out", str(tmp_path / "run"), "--set", item], fragments, tmp_path)
+
+
+# ==== A failure no check foresaw is one line too (issue 40) =======================================
+def test_an_unforeseen_exception_is_one_line_naming_a_file_with_its_traceback(tmp_path, capsys, monkeypatch):
+    from harness import command_line
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)  # read TMPDIR again
+
+    def buggy() -> int:
+        return {"steps": None}["steps"] + 1
+
+    assert command_line(buggy) == 1
+    err = one_error(capsys)
+    assert "asyncrl failed (TypeError: unsupported operand type(s) for +: 'NoneType' and 'int' at tests/test_bad_input.py:" in err
+    (kept,) = tmp_path.glob("asyncrl-traceback-*.txt")
+    assert f"fix: report it with the traceback in {kept}" in err
+    assert "Traceback (most recent call last)" in kept.read_text() and "def buggy" not in err
+
+
+def test_a_disk_error_no_check_foresaw_names_the_path(tmp_path, capsys):
+    from harness import command_line
+
+    def full() -> int:
+        raise OSError(28, "No space left on device", str(tmp_path / "run" / "async" / "trace.json"))
+
+    assert command_line(full) == 1
+    err = one_error(capsys)
+    assert f"{tmp_path}/run/async/trace.json: No space left on device (OSError); fix: check that path" in err
+    assert not list(tmp_path.glob("asyncrl-traceback-*"))
+
+
+def test_python_m_harness_calibrate_ends_an_unforeseen_exception_in_one_line(tmp_path):
+    """The command itself, as a user starts it: a bug injected into the fit ends in one line and
+    exit 1, its traceback in a new file, nothing written beside the run."""
+    run = _spans_run(tmp_path / "w", _good_spans())
+    code = ("import runpy, sys, numpy\n"
+            "def broken(*args, **kwargs): raise ZeroDivisionError('float division by zero')\n"
+            "numpy.linalg.lstsq = broken\n"
+            f"sys.argv = ['harness.calibrate', {str(run)!r}]\n"
+            "runpy.run_module('harness.calibrate', run_name='__main__', alter_sys=True)\n")
+    before = tree(tmp_path / "w")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert proc.returncode == 1 and proc.stdout == "", proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: asyncrl failed (ZeroDivisionError: float division by zero")
+    assert len(list(tmp_path.glob("asyncrl-traceback-*.txt"))) == 1
+    assert tree(tmp_path / "w") == before
