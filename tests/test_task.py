@@ -38,16 +38,3 @@ def test_with_overshoot_the_reward_peaks_at_the_target():
 def test_truncated_reward_outside_0_1_is_refused(value):
     with pytest.raises(ValueError, match="task.truncated_reward"):
         with_changes(Scenario(), {"task.truncated_reward": value})
-
-
-def test_the_tiny_models_files_are_as_readable_as_the_umask_makes_new_files(tiny_model_dir):
-    """safetensors writes its weights 0600; every file of the model is what the umask gives a new
-    file (0644 under 022), so a user's other account or container can load the model."""
-    import os
-    import stat
-
-    mask = os.umask(0)
-    os.umask(mask)
-    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in tiny_model_dir.iterdir() if f.is_file()}
-    assert modes["model.safetensors"] == 0o666 & ~mask
-    assert set(modes.values()) == {0o666 & ~mask}

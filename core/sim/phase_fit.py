@@ -109,13 +109,12 @@ def _bisect(f, lo: float, hi: float, target: float, iters: int = 40, log: bool =
 
 
 def fit_phases(table: dict) -> tuple[dict[str, object], list[str]]:
-    """The scenario dotted-key changes that give the cost components of the table's fitted setup,
-    and a line per fitted value saying what it came from and how well the phases are reproduced.
-    The table is checked whole first (``PhaseTable``: pydantic's ValidationError)."""
+    """The scenario dotted-key changes that give the cost components of the table's fitted setup
+    (checked whole first: ``PhaseTable``), and a line per fitted value saying what it came from
+    and how well the phases are reproduced."""
     checked = PhaseTable.model_validate(table)
-    base, samples = checked.scenario, checked.samples_per_step
+    base, samples, label = checked.scenario, checked.samples_per_step, checked.fit
     table = checked.model_dump(exclude={"scenario"})
-    label = str(table["fit"])
     setup = table["setups"][label]
     colo, sep = setup["colocated"], setup["separated"]
     sc = with_changes(base, {"resources.rollout_gpus": setup["rollout_gpus"], "resources.trainer_gpus": setup["trainer_gpus"]})
