@@ -1312,6 +1312,44 @@ def test_the_replay_takes_the_extreme_priorities_at_the_ceiling():
     _, slots, weights = buf.sample(4, beta=1.0)
     assert np.all(np.isfinite(weights)) and set(slots.tolist()) <= {1, 3}
 
+
+
+def test_the_llm_replay_takes_the_extreme_priorities_at_its_alpha_ceiling():
+    """A group's priority is held to [MIN_PRIORITY, MAX_PRIORITY] (core/model/config.py); raised to
+    MAX_REPLAY_ALPHA both ends fit the replay at its most groups, and past the ceiling the scenario
+    is refused (at alpha 1e6 a run ended mid-way: 0.43 ** 1e6 is 0)."""
+    from core.model.config import MAX_PRIORITY, MAX_REPLAY_ALPHA, MIN_PRIORITY
+    from ext.replay import ReplayBuffer
+
+    leaves = 1 << (MAX_SAMPLES - 1).bit_length()  # replay.capacity_groups' ceiling
+    limit = sys.float_info.max / (2 * leaves)
+    assert math.pow(MAX_PRIORITY, MAX_REPLAY_ALPHA) <= limit and math.pow(MIN_PRIORITY, MAX_REPLAY_ALPHA) >= sys.float_info.min
+    buf = ReplayBuffer(4, {"x": ((), np.float32)}, prioritized=True, alpha=MAX_REPLAY_ALPHA, seed=0)
+    buf.add({"x": np.zeros(4, np.float32)})
+    buf.update_priorities(np.array([0, 1, 2, 3]), np.array([MIN_PRIORITY, MAX_PRIORITY, 0.43, MAX_PRIORITY]))
+    _, slots, weights = buf.sample(4, beta=1.0)
+    assert np.all(np.isfinite(weights)) and set(slots.tolist()) <= {1, 3}
+    with pytest.raises(ValueError, match="replay.alpha"):
+        with_changes(config.Scenario(), {"replay.alpha": 1e6})
+
+
+def test_the_replay_stage_holds_a_group_s_priority_to_the_range():
+    """A user's reward may be any finite float: a spread of 1e300 is drawn as MAX_PRIORITY (raised
+    to the ceiling alpha unclipped it would be inf, refused mid-run), no spread as MIN_PRIORITY."""
+    from core.model.config import MAX_REPLAY_ALPHA
+    from core.model.ledger import Ledger
+    from core.model.sample import Group
+    from core.pipeline.replay_stage import ReplayStage
+
+    spread = {0: 1e300, 1: 0.0, 2: 0.25, 3: 0.25}
+    stage = ReplayStage(queue=None, ledger=Ledger(max_staleness=1), capacity=4, groups_per_step=4, fresh_per_step=4, warm_up=0, prioritized=True,
+                        alpha=MAX_REPLAY_ALPHA, beta=1.0, seed=0, priority=lambda g: spread[g.prompt_id])
+    stage._add([Group(prompt_id=i, samples=[], version=0, admitted_at=0.0) for i in range(4)])
+    stage._draw()  # every group's priority set from its spread
+    drawn, weights = stage._draw()
+    assert [g.prompt_id for g in drawn] == [0, 0, 0, 0] and np.all(np.isfinite(weights))
+
+
 # ==== Run directories, arguments, and nesting =====================================================
 DEEP = 10_000
 NESTED = "[" * DEEP + "]" * DEEP
@@ -2139,7 +2177,9 @@ def test_a_count_written_1e6_is_one_line_with_the_number_to_write(tmp_path, caps
     ("seed=x", ["seed = 'x'", "fix: write a whole number"]),
     ("name=[1]", ["name = [1]", "fix: write text"]),
     ("trainer.mfu=x", ["trainer.mfu = 'x'", "fix: write a number"]),
-], ids=["bool", "mapping_in_a_list", "list", "int", "str", "float"])
+    ("trainer.mfu=yes", ["trainer.mfu = True: is true, not a number (YAML reads yes, no, on and off as true and false)", "fix: write a number"]),
+    ("trainer.steps=on", ["trainer.steps = True: is true", "fix: write a number"]),
+], ids=["bool", "mapping_in_a_list", "list", "int", "str", "float", "yes_for_a_fraction", "on_for_a_count"])
 def test_a_value_of_the_wrong_type_says_what_to_write_and_where_it_came_from(item, fragments, tmp_path, capsys):
     refused(capsys, [QUICK, "--no-plots", "--out", str(tmp_path / "run"), "--set", item], fragments, tmp_path)
 

@@ -6,14 +6,17 @@ NVIDIA H20); every number says where it comes from. Nothing here is fitted to a 
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import reprlib
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal, Optional, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from core.model.length_file import LengthFileError, read_lengths
@@ -143,6 +146,16 @@ class _Frozen(BaseModel):
     # allow_inf_nan: an infinite delay or bandwidth never ends a simulated wait (it hung the sim).
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: object, info: ValidationInfo) -> object:
+        """YAML 1.1 reads yes, no, on and off as true and false, and pydantic would take those as 1
+        and 0: ``mfu: yes`` ran at 100 % MFU. A number field refuses them."""
+        if isinstance(value, bool) and _takes_a_number_not_a_bool(cls, info.field_name):
+            raise refused(f"is {str(value).lower()}, not a number (YAML reads yes, no, on and off as true and false)",
+                          "write a number")
+        return value
+
     @field_validator("*", mode="after")
     @classmethod
     def _bounded(cls, value: object) -> object:
@@ -150,6 +163,19 @@ class _Frozen(BaseModel):
         ``MAX_FLOAT``, whatever ceiling the field itself has: one rule for all of them."""
         _check_magnitude(value)
         return value
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_a_number_not_a_bool(model: type[BaseModel], name: str) -> bool:
+    kinds, todo = set(), [model.model_fields[name].annotation]
+    while todo:
+        t = todo.pop()
+        args = typing.get_args(t)
+        if typing.get_origin(t) in (typing.Union, types.UnionType, Annotated):
+            todo.extend(args)
+        else:
+            kinds.add(t)
+    return bool(kinds & {int, float}) and bool not in kinds
 
 
 def _check_magnitude(value: object) -> None:
@@ -569,6 +595,16 @@ class SyncSpec(_Frozen):
     master weights 4 + Adam moments 8 (ZeRO paper's mixed-precision Adam, gradients freed)."""
 
 
+# A group's priority is its rewards' spread, held to [MIN_PRIORITY, MAX_PRIORITY] (a reward may be
+# any finite float: a spread of 1e300 raised to alpha would overflow the replay's sum tree).
+MIN_PRIORITY = 1e-3  # PER's epsilon: a group with no learning signal is still drawn now and then
+MAX_PRIORITY = 1e6
+MAX_REPLAY_ALPHA = 50.0
+"""The LLM replay's largest priority exponent: 1e6 ** 50 = 1e300 stays under the limit the replay
+takes at its most groups (1.8e308 / 2**25 = 5.4e300), and 1e-3 ** 50 = 1e-150 above zero. At 1e6
+a run ended mid-way (0.43 ** 1e6 is 0). Past a few, sampling takes nearly only the top group."""
+
+
 class ReplaySpec(_Frozen):
     """An optional replay buffer (ext.replay) between the queue and the trainer, for off-policy reuse.
 
@@ -587,8 +623,8 @@ class ReplaySpec(_Frozen):
     """Trained samples per fresh sample: each step takes ceil(batch groups / reuse) fresh groups from the queue."""
     prioritized: bool = False
     """Sample by priority (sum-tree, stratified) instead of uniformly."""
-    alpha: float = Field(0.6, ge=0)
-    """Priority exponent: P(i) ~ p_i^alpha (Schaul et al. 2016, proportional PER: 0.6)."""
+    alpha: float = Field(0.6, ge=0, le=MAX_REPLAY_ALPHA)
+    """Priority exponent: P(i) ~ p_i^alpha (Schaul et al. 2016, proportional PER: 0.6), at most ``MAX_REPLAY_ALPHA``."""
     beta: float = Field(0.4, ge=0, le=1)
     """Importance-weight exponent (Schaul et al. 2016: 0.4, annealed towards 1 in their runs)."""
 

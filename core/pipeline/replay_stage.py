@@ -25,13 +25,12 @@ from typing import Callable, Optional
 import numpy as np
 
 from core.api import Batch, BatchSource
+from core.model.config import MAX_PRIORITY, MIN_PRIORITY
 from core.model.ledger import OVERWRITTEN, Ledger
 from core.model.sample import Group
 from ext.replay import ReplayBuffer
 
 SPEC = {"prompt_id": ((), np.int64), "version": ((), np.int64)}
-# PER's epsilon: a group with no learning signal is still drawn now and then.
-MIN_PRIORITY = 1e-3
 
 
 class ReplayStage:
@@ -138,7 +137,8 @@ class ReplayStage:
         for g in groups:
             self._pending[id(g)] = g
         if self.buffer.prioritized:
-            self.buffer.update_priorities(slots, np.fromiter((max(self.priority(g), MIN_PRIORITY) for g in groups), np.float64, len(groups)))
+            ps = np.fromiter((self.priority(g) for g in groups), np.float64, len(groups))
+            self.buffer.update_priorities(slots, np.clip(ps, MIN_PRIORITY, MAX_PRIORITY))
         self.weights_sum += float(np.sum(weights))
         self.drawn += len(groups)
         return groups, np.asarray(weights, dtype=np.float64)
