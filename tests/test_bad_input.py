@@ -104,12 +104,12 @@ def one_error(capsys) -> str:
     return err
 
 
-def refused(capsys, argv: list[str], fragments: list[str], *watched: Path) -> str:
-    """``main(argv)``: exit 2 with one error line holding every fragment, nothing under
-    ``watched`` changed, in less than 5 s; the line."""
+def refused(capsys, argv: list[str], fragments: list[str], *watched: Path, command=main) -> str:
+    """``command(argv)`` (harness.run's main unless given): exit 2 with one error line holding every
+    fragment, nothing under ``watched`` changed, in less than 5 s; the line."""
     before = [tree(w) for w in watched]
     t0 = time.monotonic()
-    rc = main(argv)
+    rc = command(argv)
     elapsed = time.monotonic() - t0
     err = one_error(capsys)
     assert rc == 2, err
@@ -1881,17 +1881,7 @@ def test_ctrl_c_while_the_command_imports_is_one_line_and_130(tmp_path):
 def _calibrate_refused(argv: list[str], capsys, fragments: list[str], watched: Path) -> str:
     from harness.calibrate import main as calibrate
 
-    before = tree(watched)
-    t0 = time.monotonic()
-    rc = calibrate(argv)
-    elapsed = time.monotonic() - t0
-    err = one_error(capsys)
-    assert rc == 2, err
-    for fragment in fragments:
-        assert fragment in err, f"{fragment!r} not in {err!r}"
-    assert tree(watched) == before
-    assert elapsed < 5, f"took {elapsed:.1f} s"
-    return err
+    return refused(capsys, argv, fragments, watched, command=calibrate)
 
 
 def _spans_run(tmp_path: Path, spans: object) -> Path:
