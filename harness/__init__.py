@@ -39,9 +39,9 @@ def unforeseen(exc: BaseException) -> str:
     import tempfile
     import traceback
 
-    what = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
     if isinstance(exc, OSError) and exc.errno is not None and exc.filename is not None:
         return f"{exc.filename}: {exc.strerror} ({type(exc).__name__}); fix: check that path: the space left on its disk, its permissions"
+    what = first_line(exc)
     fd, path = tempfile.mkstemp(prefix="asyncrl-traceback-", suffix=".txt")
     with os.fdopen(fd, "w") as f:
         f.write("".join(traceback.format_exception(exc)))
@@ -51,3 +51,8 @@ def unforeseen(exc: BaseException) -> str:
         where = os.path.relpath(where)  # the project's own files, as the repository names them
     at = f" at {where}:{frames[-1].lineno}" if frames else ""
     return f"asyncrl failed ({what}{at}), which no check of its input foresaw; fix: report it with the traceback in {path}"
+
+
+def first_line(exc: BaseException) -> str:
+    """``Type: message``, the message's first line and at most 200 characters of it: an exception in an error line."""
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"

@@ -41,6 +41,7 @@ from core.model.bounded_parse import TooNested, loads_json
 from core.model.progress import PolicyEvaluated, Progress, StepTrained, VersionPublished, WeightsSynced
 from core.model.regular_file import UnreadableFile, read_regular
 from core.store.checkpoint import write_atomic
+from harness import first_line
 from harness.extras import installed
 from harness.scenario import ScenarioError
 
@@ -90,16 +91,12 @@ def check_loggers(loggers: tuple[str, ...]) -> None:
             with _quiet():
                 importlib.import_module(module)
         except Exception as exc:  # a broken install fails as anything (a protobuf or numpy mismatch)
-            raise ScenarioError(f"report.loggers: {name} is installed but fails as it is imported ({_first_line(exc)}); "
+            raise ScenarioError(f"report.loggers: {name} is installed but fails as it is imported ({first_line(exc)}); "
                                 f"fix: {install} --force-reinstall, or drop {name} from report.loggers") from None
         if name == "wandb":
             _check_wandb_login()
         elif name == "mlflow":
             _check_mlflow_server()
-
-
-def _first_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
 
 
 @contextlib.contextmanager
@@ -125,7 +122,7 @@ def _check_wandb_login() -> None:
         with _quiet():
             ok = wandb.login(verify=False, timeout=CONNECT_TIMEOUT_S)  # reads the key (env, netrc); no network
     except Exception as exc:
-        ok, why = False, _first_line(exc)
+        ok, why = False, first_line(exc)
     else:
         why = "no key"
     finally:
@@ -153,7 +150,7 @@ def _check_mlflow_server() -> None:
     try:
         socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
     except OSError as exc:
-        why = "no answer in {} s".format(CONNECT_TIMEOUT_S) if isinstance(exc, TimeoutError) else (exc.strerror or type(exc).__name__)
+        why = f"no answer in {CONNECT_TIMEOUT_S} s" if isinstance(exc, TimeoutError) else (exc.strerror or type(exc).__name__)
         raise ScenarioError(f"report.loggers: mlflow's tracking server {parts.scheme}://{host}:{port} (MLFLOW_TRACKING_URI) "
                             f"cannot be reached ({why}); fix: start it or correct MLFLOW_TRACKING_URI, or unset it for a store "
                             "in the run directory, or drop mlflow from report.loggers") from None
@@ -315,7 +312,7 @@ class MetricsStream:
             if started == len(loggers):  # every logger started: the metrics file failed
                 raise
             raise LoggerFailed(
-                f"report.loggers: {loggers[started]} could not start ({_first_line(exc)}); fix: check its "
+                f"report.loggers: {loggers[started]} could not start ({first_line(exc)}); fix: check its "
                 "server, login and install (WANDB_MODE=offline or an MLFLOW_TRACKING_URI it can reach), or drop it from report.loggers"
             ) from None
         except BaseException:

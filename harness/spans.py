@@ -90,9 +90,7 @@ class SpansPlacement(BaseModel):
 class SpansFile(BaseModel):
     """What ``calibration_spans`` writes, as calibration reads it back."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
-    schema_: str = Field(alias="schema")
-    """``SCHEMA``: a file of another version is refused before its rows are read."""
+    model_config = ConfigDict(frozen=True, extra="ignore")  # its schema is checked before its rows
     mode: str
     """The mode the rows are of."""
     scenario: Scenario

@@ -50,7 +50,7 @@ import annotated_types
 import numpy as np
 import pytest
 
-from core.model import config, env_config
+from core.model import config, env_config, phase_table
 from core.model.bounded_parse import TooNested, loads_json, loads_yaml
 from core.model.config import MAX_SAMPLES, TaskSpec, with_changes
 from core.model.env_config import MAX_ALPHA, EnvScenario
@@ -509,7 +509,7 @@ def test_the_undamaged_checkpoint_fits(stopped_run):
 def test_every_count_has_a_ceiling():
     """Every whole-number field of every scenario model has an upper bound of its own (besides
     the 2**53 every number has), so a slip of a few zeros is refused, not run for ever."""
-    models = {m for mod in (config, env_config) for m in vars(mod).values()
+    models = {m for mod in (config, env_config, phase_table) for m in vars(mod).values()
               if isinstance(m, type) and issubclass(m, config._Frozen) and m is not config._Frozen}
     unbounded = []
     for model in models:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Annotated, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, ValidationInfo, field_validator
+from pydantic import Field, Strict, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from core.model.config import MAX_DEVICES, MAX_FLOAT, ConfigError, Scenario, refused, shown, with_changes
+from core.model.config import MAX_DEVICES, MAX_FLOAT, ConfigError, Scenario, _Frozen, refused, shown, with_changes
 
 # The most samples one published step trains (verl's table: 8,192). The fit prices every sample
 # of a step, so a table saying 10^12 ran for hours instead of being refused.
@@ -19,10 +19,6 @@ MAX_SETUPS = 100  # a published table lists a few cluster sizes
 
 Devices = Annotated[int, Strict(), Field(ge=1, le=MAX_DEVICES)]
 Seconds = Annotated[float, Strict(), Field(gt=0, le=MAX_FLOAT, allow_inf_nan=False)]
-
-
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class ColocatedPhases(_Frozen):
