@@ -295,15 +295,18 @@ def assert_recovered_run(system) -> dict:
 
 # One vLLM engine's restart (its engine core process goes with it) and one torch engine's: an
 # engine's start is most of such a run's time, and vLLM's is the longer (~25 s of a core). The
-# trainer's kill, whose recovery is the same whatever the engine, rides on the torch run: the
-# vLLM run stops at 4 steps, one sync after the worker's restart.
+# trainer's kill, whose recovery is the same whatever the engine, rides on the torch run. The
+# vLLM run's last step, 7, trains version 3, so at staleness 2 its samples come from version 1
+# or later, published after step 2, after the kill: the run cannot end before its only worker is
+# back. (At 4 steps every sample could come from version 0; on a slow machine rollout had made
+# them all before the kill, and the run ended with the worker still restarting, unrecovered.)
 WORKER_KILL = {"kind": "kill", "target": "rollout_worker", "at_step": 1}
 TRAINER_KILL = {"kind": "kill", "target": "trainer", "at_step": 5}
 
 
 @pytest.mark.runtime
 @pytest.mark.parametrize(("mode", "engine", "steps", "faults"), [
-    ("async", "vllm", 4, [WORKER_KILL]), ("partial", "torch", 8, [WORKER_KILL, TRAINER_KILL]),
+    ("async", "vllm", 7, [WORKER_KILL]), ("partial", "torch", 8, [WORKER_KILL, TRAINER_KILL]),
 ], ids=["async-vllm", "partial-torch"])
 def test_ray_kills_of_a_rollout_worker_and_the_trainer_lose_nothing(ray_session, tiny_model_dir, mode, engine, steps, faults):
     """Ray restarts both (max_restarts): the worker's groups are generated again, the trainer
