@@ -18,7 +18,7 @@ from typing import Any, Optional
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from core.model.config import REFUSED, ConfigError, Scenario, clipped, name_problem, safe_name, set_dotted, shown
+from core.model.config import MAX_INT, REFUSED, ConfigError, Scenario, clipped, name_problem, safe_name, set_dotted, shown
 from core.model.env_config import EnvScenario
 from core.model.bounded_parse import TooNested, check_yaml_events, loads_json
 from core.model.regular_file import UnreadableFile, read_regular
@@ -185,9 +185,9 @@ def _fix_for(err: dict, root: type[BaseModel]) -> tuple[str, str]:
         return "is not a finite number", "use a finite number (no .inf or .nan)"
     if kind == "too_long":
         return f"has more than {ctx.get('max_length')} entries", f"list at most {ctx.get('max_length')}"
-    if kind in ("int_parsing", "int_from_float", "int_type") and _whole(err.get("input")) is not None:
-        # YAML 1.1 reads 1e6 (no dot) as text, and 1.0e6 as a float: either means this count.
-        return "is not written as a whole number", f"write {_whole(err['input'])}"
+    whole = _whole(err.get("input")) if kind in ("int_parsing", "int_from_float", "int_type") else None
+    if whole is not None:  # YAML 1.1 reads 1e6 (no dot) as text, and 1.0e6 as a float: either means this count
+        return "is not written as a whole number", f"write {whole}"
     for prefix, fix in _TYPE_FIXES:
         if kind.startswith(prefix):
             return err["msg"].lower(), fix
@@ -200,7 +200,7 @@ def _whole(value: object) -> Optional[int]:
         x = float(value) if isinstance(value, (str, float)) and not isinstance(value, bool) else None
     except ValueError:
         return None
-    return int(x) if x is not None and math.isfinite(x) and x == int(x) and abs(x) <= 2**53 else None
+    return int(x) if x is not None and math.isfinite(x) and x == int(x) and abs(x) <= MAX_INT else None
 
 
 def error_line(exc: ValidationError, origin: dict[str, str], root: type[BaseModel] = Scenario) -> str:
