@@ -115,6 +115,7 @@ class Calibration:
     prompt_tokens: int
     prompt_share: float
     prefill_spread: float = 0.0  # (max - min) / mean of the tokens per prefill
+    transfer_spread: float = 0.0  # standard deviation over mean of the measured syncs
 
     def calibrated(self, source: str, speedup: dict[int, float]) -> dict:
         """The scenario's ``calibrated:`` section."""
@@ -131,6 +132,10 @@ class Calibration:
             "train_devices": self.train_devices,
             "train_speedup": dict(speedup),
             "transfer_s": self.transfer_s,
+            # How far a prediction from these may be off: the band draws within twice it (core/sim/band.py).
+            "decode_error": relative_error(d),
+            "train_error": relative_error(t),
+            "transfer_error": self.transfer_spread,
         }
 
     def prefill_per_token(self) -> tuple[float, str]:
@@ -184,7 +189,13 @@ def fit_spans(spans: dict) -> Calibration:
         max(1, round(float(np.mean(prompts)))) if prompts else spans["scenario"]["workload"]["prompt_tokens"],
         prompt_share(lens, group),
         float(np.ptp(p[:, 0]) / p[:, 0].mean()) if pfit is not None and p[:, 0].mean() > 0 else 0.0,
+        float(np.std(transfer) / np.mean(transfer)) if len(transfer) > 1 and np.mean(transfer) > 0 else 0.0,
     )
+
+
+def relative_error(fit: Fit) -> float:
+    """A fit's root-mean-square residual over its mean observation (0 for a fit of nothing), at most 10."""
+    return min(10.0, fit.rmse / fit.mean_y) if fit.mean_y > 0 else 0.0
 
 
 def prompt_share(lens: list, group_size: int) -> float:

@@ -43,6 +43,10 @@ class ModeProgress:
         self._task = self._progress.add_task(mode, total=self.total, mode=mode, sim="0 s", samples=0)
         self._last = 0.0
 
+    def advance(self) -> None:
+        """One more of ``total_steps`` done (a band's draw)."""
+        self._progress.advance(self._task)
+
     def on_step(self, event: progress.Progress) -> None:
         if not isinstance(event, progress.StepTrained):
             return

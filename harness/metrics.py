@@ -61,7 +61,7 @@ def _length_bias(result: RunResult) -> float | None:
     groups = led.produced // sc.workload.group_size
     if sc.runtime != "sim" or not led.trainings or not groups:
         return None
-    admitted = Workload(sc.workload, sc.seed).sample_lengths(groups)
+    admitted = Workload.of(sc).sample_lengths(groups)
     return (led.response_tokens / led.trainings) / float(admitted.mean())
 
 

@@ -270,3 +270,50 @@ def _compact(v: float) -> str:
     if a >= 100:
         return f"{v:.0f}"
     return f"{v:.3g}"
+
+
+GPU_TIME = (("gpu_time/generate", "generating", COLORS[GENERATE]), ("gpu_time/train", "training", COLORS[TRAIN]),
+            ("gpu_time/sync", "syncing", COLORS[SYNC]), ("gpu_time/idle", "idle", "#bbbbbb"))
+
+
+def summary_png(summary: dict, title: str, path: Path, published: dict | None = None) -> None:
+    """The run in one picture: every mode side by side, left its trained-token speedup over sync
+    (with the band's 10th-90th percentile where ``--band`` drew one, and a published figure
+    where the scenario gives one), right where its GPU-seconds went."""
+    modes = list(summary["modes"])
+    rows = summary["modes"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 1.6 + 0.55 * len(modes)))
+    y = np.arange(len(modes))
+    speed = [rows[m].get("speedup_vs_sync_tokens") or 0.0 for m in modes]
+    left.barh(y, speed, color=[MODE_COLORS.get(m, "#888888") for m in modes], height=0.6)
+    for i, m in enumerate(modes):
+        b = rows[m].get("speedup_band")
+        if b:
+            left.errorbar(b[1], i, xerr=[[b[1] - b[0]], [b[2] - b[1]]], fmt="o", color="black", ms=3, capsize=4, lw=1.2,
+                          label="band: 10th-90th percentile, median" if i == next(j for j, n in enumerate(modes) if rows[n].get("speedup_band")) else None)
+        left.text(0.02 * max(speed + [1.0]), i, f"{speed[i]:.2f}x", va="center", fontsize=8, color="white", fontweight="bold")
+    published = published or {}
+    for i, m in enumerate(modes):
+        if m in published:
+            left.plot(published[m], i, "D", color="#e63946", ms=6, label="published" if i == modes.index(next(n for n in modes if n in published)) else None)
+    left.axvline(1.0, color="#888888", lw=0.8, ls="--")
+    left.set_yticks(y, modes)
+    left.invert_yaxis()
+    left.set_xlabel("trained tokens per second, x sync")
+    left.grid(axis="x", alpha=0.3)
+    if left.get_legend_handles_labels()[0]:
+        left.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, fontsize=7, frameon=False)
+    start = np.zeros(len(modes))
+    for key, label, color in GPU_TIME:
+        share = np.array([100.0 * (rows[m].get(key) or 0.0) for m in modes])
+        right.barh(y, share, left=start, color=color, height=0.6, label=label)
+        start += share
+    right.set_yticks(y, [""] * len(modes))
+    right.invert_yaxis()
+    right.set_xlim(0, 100)
+    right.set_xlabel("% of all GPU-seconds")
+    right.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=4, fontsize=7, frameon=False)
+    fig.suptitle(title, fontsize=9, x=0.01, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

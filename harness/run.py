@@ -42,7 +42,7 @@ from core.store.checkpoint import CheckpointError
 from core.model.config import ConfigError, with_changes
 from core.model.env_config import EnvScenario
 from core.model.owned import is_owned
-from harness import command_line, report, started
+from harness import band, command_line, report, started
 from harness.console import (
     ModeProgress, agent_lines, comparison_table, correction_lines, faults_table, honesty_lines, implied_mfu_lines, published_table,
     seeds_table, target_table,
@@ -50,7 +50,7 @@ from harness.console import (
 from harness.gpu_sampler import NvmlSampler
 from harness.live_metrics import METRICS_FILE, LoggerFailed, MetricsFileError, MetricsStream, check_loggers, read_history
 from harness.metrics import reward_curve
-from harness.plots import reward_curves_png, reward_png, timeline_png
+from harness.plots import reward_curves_png, reward_png, summary_png, timeline_png
 from harness.profiler import ProfileError, Profiler, py_spy
 from harness import run_directory
 from harness.extras import check_installed
@@ -81,7 +81,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="run directory (default: runs/<name>-<timestamp>)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any scenario key, e.g. --set trainer.steps=100 (repeatable)")
-    p.add_argument("--no-plots", action="store_true", help="skip timeline.png")
+    p.add_argument("--band", action="store_true",
+                   help="sim: each mode's speedup over sync as a 10th-90th percentile interval over band.points draws "
+                        "of the uncertain inputs, and the input to measure first (costs band.points runs)")
+    p.add_argument("--no-plots", action="store_true", help="skip timeline.png and summary.png")
     p.add_argument("--profile", action="store_true",
                    help="record the driver and every worker process with py-spy: <mode>/profile/*.svg")
     return p.parse_args(argv)
@@ -120,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                 _check_new_run(variants, args)
         for v in variants:
             check_loggers(v.scenario.report.loggers)
+            if args.band:
+                band.check(v.scenario)
         if args.profile:
             try:
                 py_spy()  # before anything runs, not when the first mode starts
@@ -210,7 +215,7 @@ def _run_variants(variants: list[Variant], path: Path, console: Console, args, d
         where.mkdir(exist_ok=True)
         summaries[v.label] = _run_variant(
             v.scenario, v.label, where, env, console, plots=not args.no_plots, profile=args.profile,
-            done=done, stop_at_step=args.stop_at_step, root=path,
+            done=done, stop_at_step=args.stop_at_step, root=path, band_on=args.band, published=v.published,
         )
     if variants[0].label is None:
         summary = summaries[None]
@@ -229,6 +234,8 @@ def _print_tables(variants: list[Variant], summaries: dict, summary: dict, conso
         for line in implied_mfu_lines(summaries[v.label]):
             console.print(f"[yellow]{line}[/]", highlight=False)
         for line in agent_lines(summaries[v.label]):
+            console.print(line, highlight=False)
+        for line in band.lines(summaries[v.label]):
             console.print(line, highlight=False)
         for table in (faults_table(title, summaries[v.label]), seeds_table(title, summaries[v.label]),
                       target_table(title, summaries[v.label])):
@@ -408,9 +415,12 @@ def _reward_title(sc, label, seeds: tuple[int, ...] | None = None) -> str:
 def _run_modes(
     sc, label, where: Path, env: dict, console: Console, plots: bool, profile: bool,
     done: dict | None = None, stop_at_step: int | None = None, root: Path | None = None,
+    band_on: bool = False, published: dict | None = None,
 ) -> tuple[dict, dict]:
     """Every mode of ``sc`` in ``where`` (within the run directory ``root``, ``where`` if None):
-    (the summary, each mode's report). Each mode's figures stream as it runs (harness/live_metrics.py)."""
+    (the summary, each mode's report). Each mode's figures stream as it runs (harness/live_metrics.py).
+    ``band_on``: the band of its speedups too (harness/band.py); ``published``: a published
+    speedup to draw in summary.png."""
     reports = dict(done or {})
     with ModeProgress(console, sc.trainer.steps) as progress:
         for mode in sc.modes:
@@ -450,7 +460,16 @@ def _run_modes(
     curves = {m: [c] for m in sc.modes if (c := reward_curve(reports[m])) is not None}
     if plots and curves:
         reward_curves_png(curves, sc.target_reward, _reward_title(sc, label), where)
-    return report.summary(sc, reports), reports
+    summary = report.summary(sc, reports)
+    if band_on:
+        with ModeProgress(console, sc.band.points) as progress:
+            progress.start(f"{label}/band" if label else "band")
+            drawn = band.compute(sc, on_done=lambda _: progress.advance())
+        band.attach(drawn, summary, where)
+    if plots:
+        pub = {published["mode"]: published["speedup_vs_sync"]} if published and "speedup_vs_sync" in published else None
+        summary_png(summary, " ".join(p for p in (sc.name, label) if p), where / "summary.png", pub)
+    return summary, reports
 
 
 if __name__ == "__main__":

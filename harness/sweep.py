@@ -21,12 +21,10 @@ from __future__ import annotations
 import copy
 import difflib
 import math
-import multiprocessing
 import operator
 import os
 import re
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -45,6 +43,7 @@ from harness import report
 from harness.console import sweep_table
 from harness.metrics import collect
 from harness.plots import grid_heatmap_png
+from harness.process_pool import run_all
 from harness import run_directory
 from harness.run_directory import RunDirectory, RunDirectoryError
 from harness.scenario import ScenarioError, error_line, _parse_sets, _read
@@ -344,39 +343,9 @@ def run_point(sc: Scenario, where: str, env: dict) -> dict:
 def run_points(sweep: Sweep, root: Path, env: dict, on_done=None) -> dict[int, dict]:
     """Run every runnable point, ``sweep.workers`` at a time in spawned processes (one worker:
     in this process). Returns index -> run_point's answer, or {"error": text} for a point whose run raised."""
-    todo = [p for p in sweep.points if p.scenario is not None]
-    results: dict[int, dict] = {}
-    workers = min(sweep.workers, len(todo))
-    if workers <= 1:
-        for p in todo:
-            results[p.index] = _guarded(run_point, p.scenario, str(root / p.label), env)
-            if on_done:
-                on_done(p)
-        return results
-    # spawn, not fork: a forked child would inherit the parent's threads and locks (rich's refresher).
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
-    try:
-        running: dict[Future, Point] = {pool.submit(run_point, p.scenario, str(root / p.label), env): p for p in todo}
-        while running:
-            done, _ = wait(running, return_when=FIRST_COMPLETED)
-            for fut in done:
-                p = running.pop(fut)
-                exc = fut.exception()
-                results[p.index] = {"error": f"{type(exc).__name__}: {exc}"} if exc else fut.result()
-                if on_done:
-                    on_done(p)
-    except BaseException:
-        pool.shutdown(wait=False, cancel_futures=True)  # Ctrl-C: do not start the points still queued
-        raise
-    pool.shutdown()
-    return results
-
-
-def _guarded(fn, *args) -> dict:
-    try:
-        return fn(*args)
-    except Exception as exc:  # a point whose run fails is reported as failed; the others go on
-        return {"error": f"{type(exc).__name__}: {exc}"}
+    todo = {p.index: p for p in sweep.points if p.scenario is not None}
+    jobs = [(i, (p.scenario, str(root / p.label), env)) for i, p in todo.items()]
+    return run_all(run_point, jobs, sweep.workers, on_done=(lambda i: on_done(todo[i])) if on_done else None)
 
 
 def rank(sweep: Sweep, results: dict[int, dict]) -> tuple[list[dict], Optional[dict]]:

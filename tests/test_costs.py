@@ -95,14 +95,16 @@ def test_colocated_switch_from_bytes_and_bandwidth():
     sc = with_changes(Scenario(), {"resources.rollout_gpus": 16, "resources.trainer_gpus": 16})
     p = sc.model.params_b * 1e9
     per_gpu = p * 14.0 / 32 + p * 2 / 1
-    assert colocated_switch_s(sc) == pytest.approx(2 * per_gpu / 25e9)
+    rebuild = sc.sync.kv_rebuild_s  # the engine's KV cache released and allocated again
+    assert colocated_switch_s(sc) == pytest.approx(2 * per_gpu / 25e9 + rebuild)
     # a bigger model or a slower host link costs more; tensor-parallel engines hold less each
     assert colocated_switch_s(with_changes(sc, {"model.params_b": 14.0})) > colocated_switch_s(sc)
-    assert colocated_switch_s(with_changes(sc, {"sync.offload_gb_s": 12.5})) == pytest.approx(2 * colocated_switch_s(sc))
+    assert colocated_switch_s(with_changes(sc, {"sync.offload_gb_s": 12.5})) - rebuild == pytest.approx(2 * (colocated_switch_s(sc) - rebuild))
     tp2 = with_changes(sc, {"resources.gpus_per_engine": 2})
-    assert colocated_switch_s(tp2) == pytest.approx(2 * (p * 14.0 / 32 + p) / 25e9)
+    assert colocated_switch_s(tp2) == pytest.approx(2 * (p * 14.0 / 32 + p) / 25e9 + rebuild)
     t = TransferCost(sc, colocated=True)
-    assert t.seconds() == pytest.approx(sc.sync.latency_s + colocated_switch_s(sc) + p * 2 / 400e9)
+    host = (28 * 12 + 3) * sc.sync.per_tensor_s  # each tensor of Qwen2.5-7B looked up and copied
+    assert t.seconds() == pytest.approx(sc.sync.latency_s + colocated_switch_s(sc) + p * 2 / 400e9 + host)
     assert TransferCost(sc, colocated=False).switch_s == 0
     # an explicit figure overrides the computed one
     assert TransferCost(with_changes(sc, {"sync.colocated_switch_s": 3.0}), colocated=True).switch_s == 3.0
@@ -161,25 +163,29 @@ def test_calibrated_engine_costs_hold_in_the_fitted_placement_and_scale_in_the_o
     assert same.prefill_s(0, 10) / other.prefill_s(0, 10) == pytest.approx(ratio)
 
 
-def test_broadcast_prices_bytes_in_the_models_dtype_in_pipelined_buckets():
-    """Separated engines: the weights in the model's dtype, bucket by bucket; the slower of wire and
-    in-place load sets the pace, the other adds one bucket, every bucket pays its overhead."""
+def test_broadcast_prices_bytes_in_the_models_dtype_in_pipelined_stages():
+    """Separated engines on other nodes: the weights in the model's dtype, bucket by bucket through
+    three pipelined stages (the trainer's gather, the wire, the in-place load); the slowest sets
+    the pace, the others add one bucket, every tensor and every bucket pays its host cost."""
     sc = Scenario()
     s, g = sc.sync, sc.gpu
     p = sc.model.params_b * 1e9
     wire, load = s.bandwidth_gb_s * 1e9, g.hbm_gb_s * g.hbm_efficiency * 1e9 / 2
     bucket = s.bucket_mb * 2**20
     buckets = math.ceil(p * 2 / bucket)
+    host = (28 * 12 + 3) * s.per_tensor_s + buckets * s.bucket_overhead_s
+    gather = 63 / 64 * p * 2 / wire  # 64 trainer GPUs over the nodes' NICs
     t = TransferCost(sc, colocated=False)
     assert t.bytes == p * 2
-    assert t.seconds() == pytest.approx(s.latency_s + buckets * s.bucket_overhead_s + p * 2 / wire + bucket / load)
+    assert t.seconds() == pytest.approx(s.latency_s + host + p * 2 / wire + (gather + p * 2 / load) * bucket / (p * 2))
     # fp32 weights move twice the bytes; a bucket larger than the model is one bucket
     fp32 = with_changes(sc, {"model.dtype_bytes": 4, "sync.bucket_mb": 1e6})
-    assert TransferCost(fp32, colocated=False).seconds() == pytest.approx(s.latency_s + s.bucket_overhead_s + p * 4 / wire + p * 4 / load)
+    assert TransferCost(fp32, colocated=False).seconds() == pytest.approx(
+        s.latency_s + 339 * s.per_tensor_s + s.bucket_overhead_s + p * 4 / wire + 63 / 64 * p * 4 / wire + p * 4 / load)
     # a load slower than the wire sets the pace instead, and the wire adds one bucket
     slow = with_changes(sc, {"gpu.hbm_gb_s": 20.0, "gpu.hbm_efficiency": 1.0})
     assert TransferCost(slow, colocated=False).seconds() == pytest.approx(
-        s.latency_s + buckets * s.bucket_overhead_s + p * 2 / 10e9 + bucket / wire
+        s.latency_s + host + p * 2 / 10e9 + (p * 2 / wire + gather) * bucket / (p * 2)
     )
     # the fallback moves float32 copies at its measured rate
     store = with_changes(sc, {"sync.transport": "object_store"})

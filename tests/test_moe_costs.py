@@ -173,7 +173,8 @@ def test_a_moe_runs_sync_and_async_times_are_the_hand_formula():
     tokens = 8 * 800
     train_flops = 2 * 3 * active * tokens + 2 * 3 * 48 * width * 8 * 800**2
     for mode, trainer_gpus, transfer in (
-        ("sync", 2 * g, 0.5 + 2.0 + m.params_b * 1e9 * 2 / 400e9),  # colocated: latency, switch, in-node reshard
+        # colocated: latency, switch, in-node reshard, and each of the 18,867 tensors' host cost
+        ("sync", 2 * g, 0.5 + 2.0 + m.params_b * 1e9 * 2 / 400e9 + (48 * (9 + 3 * 128) + 3) * sc.sync.per_tensor_s),
         ("async", g, 0.5 + m.params_b * 1e9 * 4 / 0.9e9),  # float32 copies through the object store
     ):
         train = 1.0 + train_flops / (trainer_gpus * 148e12 * 0.4)

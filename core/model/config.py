@@ -19,6 +19,7 @@ from typing import Annotated, Literal, Optional, TypeVar
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from core.model.measurements import COLLECTIVE_CALL, EAGER_LAYER, EAGER_MOE_LAYER, HOST_COPY_GB_S, KV_REBUILD, MICRO_BATCH_HALF_TOKENS, PER_TENSOR
 from core.model.length_file import LengthFileError, read_lengths
 from core.model.model_dir import ModelDirError, check_loadable, linear_layers, read_model_dir, read_tokenizer
 from core.model.owned import is_owned
@@ -251,6 +252,12 @@ class ModelSpec(_Frozen):
     """Routed experts per MoE layer (Qwen3-30B-A3B config.json: num_experts 128). 1: a dense model."""
     experts_per_token: int = Field(1, ge=1, le=MAX_DIM)
     """Routed experts each token goes to, top-k (Qwen3-30B-A3B: num_experts_per_tok 8)."""
+    tensors: Optional[int] = Field(None, ge=1, le=MAX_DIM)
+    """Named tensors in the checkpoint, each a lookup and a copy at a weight sync (and one
+    collective where the sync is not bucketed). None: counted from the architecture, Qwen's
+    layout: 12 per dense layer (q, k, v with biases, o, gate, up, down, two norms; Qwen2.5-7B:
+    339 in all), 9 + 3 x experts per MoE layer (Qwen3-30B-A3B: 18,867), plus embeddings, final
+    norm and head."""
     expert_params_b: float = Field(0.0, ge=0)
     """Parameters of one routed expert, all MoE layers together, in billions: for a gated MLP,
     3 x hidden x moe_intermediate_size x MoE layers (Qwen3-30B-A3B: 3 x 2048 x 768 x 48 =
@@ -368,6 +375,13 @@ class WorkloadSpec(_Frozen):
     (e.g. a real run's, written by harness.calibrate), a {length: count} histogram or
     {edges, counts}; relative to the working directory. Drawn through the same normal per
     response as the lognormal, so prompt_share still correlates a group. None: the lognormal."""
+    length_drift: tuple[tuple[float, float], ...] = ()
+    """Response lengths over training, as ``[[step, factor], ...]``: a group trained at ``step``
+    has its lengths (median and tail alike) multiplied by the factor, linear between points and
+    flat beyond the ends; e.g. ``[[0, 1.0], [400, 2.5]]`` for a run whose mean response grows
+    2.5x over 400 steps (DAPO, verl's DAPO recipes report growth of that order). The step of a
+    group is the one its prompt is planned for (its position in the prompt order over
+    ``trainer.batch_size``), so every mode sees the same lengths. Sim only. Empty: no drift."""
     pass_rate_alpha: float = Field(1.0, gt=0, le=1000)
     """Each prompt's pass rate (the chance that one response earns reward 1) is Beta(alpha,
     beta); 1 and 1 make it uniform. Read by the sim alone: its modelled 0/1 rewards, which a
@@ -375,6 +389,18 @@ class WorkloadSpec(_Frozen):
     (more all-wrong groups), a lower beta an easier one (more all-right groups)."""
     pass_rate_beta: float = Field(1.0, gt=0, le=1000)
     """The beta of each prompt's Beta(alpha, beta) pass rate (see pass_rate_alpha)."""
+
+    @model_validator(mode="after")
+    def _drift(self) -> "WorkloadSpec":
+        steps = [p[0] for p in self.length_drift]
+        for i, (step, factor) in enumerate(self.length_drift):
+            if not (step >= 0 and factor > 0 and math.isfinite(step) and math.isfinite(factor)):
+                raise ConfigError(f"workload.length_drift.{i}", [step, factor], "needs a step >= 0 and a factor > 0",
+                                  "write [step, factor], e.g. [[0, 1.0], [400, 2.0]]")
+        if steps != sorted(set(steps)):
+            raise ConfigError("workload.length_drift", [list(p) for p in self.length_drift], "its steps do not rise",
+                              "list the points in order of step, each step once")
+        return self
 
     @model_validator(mode="after")
     def _lengths_file(self) -> "WorkloadSpec":
@@ -414,6 +440,17 @@ class RolloutSpec(_Frozen):
     (vLLM's --enable-expert-parallel: the engine's tensor-parallel GPUs). 1, or
     resources.gpus_per_engine: each MoE layer then trades its tensor-parallel all-reduce for an
     all-to-all that sends each token to its experts' GPUs and back (core/sim/costs.py)."""
+    cuda_graphs: bool = True
+    """Decode steps replay captured CUDA graphs (vLLM's default). False is vLLM's
+    ``enforce_eager``, common in RL launch scripts: every step then launches each layer's kernels
+    from the host, and a step cannot end before they are launched (``eager_layer_s``)."""
+    eager_layer_s: float = Field(EAGER_LAYER.value, ge=0)
+    """Without CUDA graphs: host seconds to launch one dense layer's kernels in a decode step
+    (core/model/measurements.py EAGER_LAYER)."""
+    eager_moe_layer_s: float = Field(EAGER_MOE_LAYER.value, ge=0)
+    """Without CUDA graphs: host seconds a mixture-of-experts layer adds to ``eager_layer_s``
+    (router top-k, token permutation, the fused-MoE launch and its gather; core/model/measurements.py
+    EAGER_MOE_LAYER)."""
     overprovision: float = Field(1.0, ge=1, le=4)
     """Samples in flight beyond what the staleness budget admits, as a factor of one sync
     window (APRIL, arXiv 2509.18521): 1.25 admits a quarter window more. Once every sample the
@@ -535,6 +572,25 @@ class TrainerSpec(_Frozen):
     MoE layer sends each token to its experts' GPUs and back, forward and backward, over NVLink
     within a node and ``gpu.interconnect_gb_s`` beyond (core/sim/costs.py). It must divide the
     trainer's GPUs (sync: all of them). 1: experts data-parallel like every other weight."""
+    micro_batch_tokens: Optional[int] = Field(None, ge=1, le=MAX_TOKENS)
+    """Tokens one GPU trains in one micro-batch (verl: ppo_max_token_len_per_gpu with dynamic
+    batch size; Megatron: micro_batch_size x sequence length). Given, a sharded trainer gathers
+    the weights and reduce-scatters the gradients once per micro-batch, overlapped with that
+    micro-batch's compute: a GPU with few tokens waits on the network, which is why a fixed
+    global batch on more GPUs trains fewer tokens per GPU-second. In colocated sync it is also
+    capped by the memory the engines keep. None: collectives once per optimizer step, not
+    overlapped, as scenarios written before this field were priced."""
+    micro_batch_half_tokens: float = Field(MICRO_BATCH_HALF_TOKENS.value, gt=0)
+    """Tokens per GPU micro-batch at which training reaches half of ``mfu`` (core/model/measurements.py
+    MICRO_BATCH_HALF_TOKENS); read only with ``micro_batch_tokens``."""
+    reference: bool = False
+    """A reference policy's forward pass over every trained sample (a KL penalty or KL loss;
+    verl use_kl_loss or use_kl_in_reward): one more forward per sample, and in colocated sync the
+    reference weights moved to the host and back at each switch (verl offloads them). DAPO-style
+    recipes drop it."""
+    optimizer_sharded: bool = True
+    """Adam's state is sharded over the data-parallel GPUs (FSDP, ZeRO-1 and up): each GPU updates
+    its 1 / GPUs of the parameters. False: every GPU updates all of them (plain DDP)."""
     lora: Optional[LoraSpec] = None
     """Train a LoRA adapter instead of the whole model, and sync only the adapter (e.g.
     ``lora: {rank: 8}``; docs/real-runtimes.md). The torch trainer trains it through peft; the
@@ -570,9 +626,10 @@ class SyncSpec(_Frozen):
 
     bandwidth_gb_s: float = Field(25.0, gt=0)
     """Trainer-to-rollout bandwidth in GB/s across nodes (one 200 Gb/s RDMA NIC per GPU)."""
-    bucket_overhead_s: float = Field(1e-4, ge=0)
-    """`broadcast`, sim only: fixed cost of each bucket (one collective's launch, the sender's pack
-    and the receivers' unpack calls); assumed 100 us for NCCL. The real runtime measures its own."""
+    bucket_overhead_s: float = Field(COLLECTIVE_CALL.value, ge=0)
+    """`broadcast`, sim only: fixed cost of each collective call, one per bucket (per tensor when
+    not ``bucketed``): its launch from Python and NCCL's latency (core/model/measurements.py
+    COLLECTIVE_CALL). The real runtime measures its own."""
     object_store_gb_s: float = Field(0.9, gt=0)
     """`object_store`, sim only: GB/s of float32 weights through that path, put once and then
     resolved, written to a file and reloaded by every engine at once. 0.9: its stages in series
@@ -580,6 +637,22 @@ class SyncSpec(_Frozen):
     issue 16)."""
     latency_s: float = Field(0.5, ge=0)
     """Fixed cost of one transfer: gathering shards and starting the broadcast (assumed)."""
+    bucketed: bool = True
+    """`broadcast`: tensors are packed into buckets of ``bucket_mb``, one collective each
+    (asyncrl, slime, NeMo-RL). False: one collective per tensor (verl's fully-async NCCL sync),
+    which pays ``bucket_overhead_s`` per tensor: tens of thousands of calls for a mixture of experts."""
+    per_tensor_s: float = Field(PER_TENSOR.value, ge=0)
+    """`broadcast`, sim only: host seconds per tensor at a sync, bucketed or not: the sender's
+    name lookup and full-tensor gather call, the receiver's load_weights match and copy launch
+    (core/model/measurements.py PER_TENSOR)."""
+    senders: int = Field(1, ge=1, le=MAX_DEVICES)
+    """Trainer ranks that send weights at once, each a share of the tensors over its own NIC
+    (1: rank 0 broadcasts everything, verl; more: each rank sends its shard, as slime's and
+    checkpoint-engine's transfers do). More than the receivers gain nothing."""
+    kv_rebuild_s: float = Field(KV_REBUILD.value, ge=0)
+    """Colocated sync only: seconds per switch for an engine to release its KV cache for the
+    trainer and allocate it again after (vLLM sleep / wake_up; core/model/measurements.py
+    KV_REBUILD)."""
     colocated_bandwidth_gb_s: float = Field(400.0, gt=0)
     """Bandwidth of the in-node reshard in colocated sync mode (NVLink, H20: 900 GB/s peak)."""
     colocated_switch_s: Optional[float] = Field(None, ge=0)
@@ -587,9 +660,14 @@ class SyncSpec(_Frozen):
     computes it: each GPU moves its share of the trainer state (sync.trainer_state_bytes_per_param)
     and its engine's weights to the host and back at sync.offload_gb_s. A number overrides that
     (before this was computed it was a flat 3 s, assumed)."""
-    offload_gb_s: float = Field(25.0, gt=0)
-    """Host-device bandwidth per GPU in GB/s for the colocated switch (PCIe Gen5 x16: 64 GB/s
-    peak per direction; assumed 25 with eight GPUs sharing a host's memory)."""
+    offload_gb_s: float = Field(HOST_COPY_GB_S.value, gt=0)
+    """Host-device bandwidth per GPU in GB/s for the colocated switch (core/model/measurements.py
+    HOST_COPY_GB_S: eight GPUs sharing a host's memory)."""
+    engine_sleeps: bool = True
+    """Colocated sync only: engines release their weights and KV cache while the trainer runs
+    (vLLM sleep mode, verl free_cache_engine), keeping only ``rollout.activation_reserve_gb``.
+    False: they keep ``rollout.gpu_memory_utilization`` of each GPU, which caps the trainer's
+    micro-batches (``trainer.micro_batch_tokens``) and moves no engine weights at a switch."""
     trainer_state_bytes_per_param: float = Field(14.0, ge=0)
     """Trainer bytes per parameter moved aside at a colocated switch: bf16 weights 2 + fp32
     master weights 4 + Adam moments 8 (ZeRO paper's mixed-precision Adam, gradients freed)."""
@@ -1135,11 +1213,43 @@ class CalibratedSpec(_Frozen):
     decode_placement: Literal["colocated", "separated"] = "colocated"
     """Where the engine costs above were measured: the fitted mode's placement (sync: colocated;
     async and partial: separated). Engines of that placement cost what was fitted."""
+    decode_error: float = Field(0.0, ge=0, le=10)
+    """Relative root-mean-square error of the engine-step fit (its residuals over the mean step):
+    the band draws the decode coefficients within twice it (core/sim/band.py). 0: not drawn."""
+    train_error: float = Field(0.0, ge=0, le=10)
+    """Relative root-mean-square error of the trainer-step fit, as ``decode_error``."""
+    transfer_error: float = Field(0.0, ge=0, le=10)
+    """Relative spread (standard deviation over mean) of the measured syncs, as ``decode_error``."""
     separated_decode_speedup: float = Field(1.0, gt=0)
     """How much faster an engine steps in the separated placement (one engine next to a trainer)
     than in the colocated one (the engines side by side in one process), measured on the
     machine by harness/probes.py; engines of the placement not fitted have their costs scaled
     by it. 1: the same."""
+
+
+MAX_BAND_POINTS = 1000
+
+
+class BandSpec(_Frozen):
+    """The error band of a sim prediction (``python -m harness.run --band``; core/sim/band.py).
+    Read by: the harness, on the sim runtime."""
+
+    points: int = Field(16, ge=4, le=MAX_BAND_POINTS)
+    """Scenarios drawn over a Latin hypercube of the uncertain inputs' ranges, each run in every
+    mode: the band costs this many runs."""
+    ranges: dict[str, tuple[float, float]] = {}
+    """``{dotted.key: [low, high]}``: a range for an input, replacing the default one
+    (core/sim/band.py lists them with their sources) or adding one; a number field of the
+    scenario, both ends above 0."""
+
+    @field_validator("ranges")
+    @classmethod
+    def _ranges(cls, ranges: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+        for key, (low, high) in ranges.items():
+            if not (0 < low <= high and math.isfinite(high)):
+                raise ConfigError(f"band.ranges.{key}", [low, high], "is not a range of figures above 0",
+                                  "write [low, high] with 0 < low <= high")
+        return ranges
 
 
 class Scenario(_Frozen):
@@ -1213,6 +1323,8 @@ class Scenario(_Frozen):
     # What the harness writes.
     report: ReportSpec = ReportSpec()
     """Report extras."""
+    band: BandSpec = BandSpec()
+    """The error band's points and ranges (``--band``)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> "Scenario":
@@ -1281,10 +1393,24 @@ class Scenario(_Frozen):
         self._check_kv_fits()
         self._check_expert_parallel()
         self._check_agent()
+        self._check_band()
         if self.filter is not None and self.filter.zero_variance and n == 1:
             raise ConfigError("filter.zero_variance", True, "a group of one response never has reward variance: every group would be dropped",
                               "raise workload.group_size, or set filter.zero_variance: false and use a reward band")
         return self
+
+    def _check_band(self) -> None:
+        for key in self.band.ranges:
+            obj: object = self
+            for part in key.split("."):
+                fields = type(obj).model_fields if isinstance(obj, BaseModel) else {}
+                if part not in fields:
+                    raise ConfigError(f"band.ranges.{key}", list(self.band.ranges[key]), "names no key of the scenario",
+                                      "name a number field, e.g. trainer.mfu or workload.response_median")
+                obj = getattr(obj, part)
+            if isinstance(obj, bool) or not isinstance(obj, (int, float)):
+                raise ConfigError(f"band.ranges.{key}", list(self.band.ranges[key]), f"is not a number field (it holds {shown(obj)})",
+                                  "name a number field, e.g. trainer.mfu or workload.response_median")
 
     @property
     def episodes(self) -> Optional[AgentSpec]:

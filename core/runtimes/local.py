@@ -39,7 +39,7 @@ def local_workers(plan: RunPlan, timeline: Timeline, run_dir: Optional[Path] = N
     task = make_task(sc)
     return Workers(
         engines, backend, LocalWeightTransfer(backend, model_dtype(sc.real_model_path, sc.engine.dtype)), TaskPrompts(task), TaskReward(task),
-        spread=Workload(sc.workload, sc.seed).reward_spread, agent=make_agent(plan, task, run_dir),
+        spread=Workload.of(sc).reward_spread, agent=make_agent(plan, task, run_dir),
     )
 
 

@@ -61,7 +61,7 @@ class TrainerHost(ActorIdentity):
         sc, mode = self.sc, self.mode
         if isinstance(self.backend, RankedBackend):
             await self.backend.form_group(sc.timeouts.restart_s)
-        workers = Workers([], self.backend, self.transfer, spread=Workload(sc.workload, sc.seed).reward_spread)
+        workers = Workers([], self.backend, self.transfer, spread=Workload.of(sc).reward_spread)
         self.trainer, self.param_sync, self.replay = connect_trainer(
             self.plan, workers, self.ledger, QueueProxy(self.rollout, rollout_offset),
             RolloutProxy(self.rollout, sc.timeouts.control_s, sc.timeouts.generate_s), self.timeline,

@@ -27,7 +27,7 @@ def sim_workers(plan: RunPlan, timeline: Timeline) -> Workers:
     """The sim runtime's workers: engines and trainer on modelled costs."""
     sc, mode, place = plan.scenario, plan.mode, plan.placement
     agent = sc.episodes
-    workload = Workload(sc.workload, sc.seed, agent)
+    workload = Workload.of(sc, agent)
     decode = DecodeCost(sc, place.gpus_per_engine, colocated=place.colocated)
     keep_kv = agent is not None and not agent.release_kv_during_tools
     engines = [

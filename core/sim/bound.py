@@ -103,7 +103,7 @@ PAUSE_IN_BOUND = {"partial": "abort", "inflight": "keep"}
 def planned_lengths(sc: Scenario) -> np.ndarray:
     """Response lengths of the workload a run plans, one row per group in prompt order."""
     prompts = min(262144, max(1024, sc.trainer.steps * sc.trainer.batch_size // sc.workload.group_size))
-    return Workload(sc.workload, sc.seed).sample_lengths(prompts)
+    return Workload.of(sc).sample_lengths(prompts)
 
 
 def trained_lengths(sc: Scenario, prompt_ids) -> np.ndarray | None:
@@ -112,7 +112,7 @@ def trained_lengths(sc: Scenario, prompt_ids) -> np.ndarray | None:
     ids = np.unique(np.fromiter(prompt_ids, dtype=np.int64))
     if not len(ids):
         return None
-    return Workload(sc.workload, sc.seed).sample_lengths(int(ids[-1]) + 1)[ids]
+    return Workload.of(sc).sample_lengths(int(ids[-1]) + 1)[ids]
 
 
 def trained_order(prompt_ids: list[int]) -> np.ndarray:
@@ -130,7 +130,7 @@ def step_draws(sc: Scenario, prompt_ids: list[int]) -> np.ndarray:
     ids = np.asarray(prompt_ids, dtype=np.int64)[: len(prompt_ids) // g * g]
     if not len(ids):
         return np.zeros((0, 2))
-    t = (sc.workload.prompt_tokens + Workload(sc.workload, sc.seed).sample_lengths(int(ids.max()) + 1)[ids]).astype(np.float64)
+    t = (sc.workload.prompt_tokens + Workload.of(sc).sample_lengths(int(ids.max()) + 1)[ids]).astype(np.float64)
     per_group = np.stack((t.sum(axis=1), (t**2).sum(axis=1)), axis=1)
     return per_group.reshape(-1, g, 2).sum(axis=1)
 
@@ -174,9 +174,13 @@ def pipeline_bound(
         draws = None
     if draws is not None:
         mean_t, mean_t2 = draws.sum(axis=0) / (len(draws) * sc.trainer.batch_size)
-    train_per_sample = train.sample_flops(mean_t, mean_t2) / train.flops + train.fixed_s / sc.trainer.batch_size
-    if train.alltoall_s_per_token:  # an expert-parallel trainer's all-to-alls
-        train_per_sample += train.alltoall_s_per_token * mean_t
+    if train.micro is None:
+        train_per_sample = train.sample_flops(mean_t, mean_t2) / train.flops + train.fixed_s / sc.trainer.batch_size
+        if train.alltoall_s_per_token:  # an expert-parallel trainer's all-to-alls
+            train_per_sample += train.alltoall_s_per_token * mean_t
+    else:  # micro-batches: a step is not linear in its tokens, so a whole step of the mean sample
+        bs = sc.trainer.batch_size
+        train_per_sample = train.step_s(bs * mean_t, bs * mean_t2) / bs
     transfer = TransferCost(sc, colocated=place.colocated).seconds()
 
     if place.colocated:

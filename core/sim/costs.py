@@ -97,10 +97,23 @@ def alltoall_bytes(sc: Scenario, ep: int, tokens_per_gpu: float) -> float:
     return tokens_per_gpu * m.experts_per_token * m.hidden * m.dtype_bytes * (ep - 1) / ep
 
 
+def launch_s(sc: Scenario) -> float:
+    """Seconds a decode step without CUDA graphs (``rollout.cuda_graphs: false``, vLLM's
+    enforce_eager) spends on host launches that the GPU's work does not hide: per layer
+    ``rollout.eager_layer_s``, plus ``rollout.eager_moe_layer_s`` for a mixture-of-experts layer.
+    Added to the step, as it was measured: eager minus graph latency at the same batch
+    (core/model/measurements.py). 0 with graphs, whose replay is one launch inside
+    ``rollout.decode_overhead_s``."""
+    r, m = sc.rollout, sc.model
+    if r.cuda_graphs:
+        return 0.0
+    return m.layers * (r.eager_layer_s + (r.eager_moe_layer_s if m.experts > 1 else 0.0))
+
+
 class DecodeCost:
     """Time of one continuous-batching decode step of one engine.
 
-    step(B, C) = overhead + max(weights(B) / bw, B * 2P / flops) + allreduce(B) + C * kv_bytes / bw,
+    step(B, C) = overhead + launch + max(weights(B) / bw, B * 2P / flops) + allreduce(B) + C * kv_bytes / bw,
     with B running sequences holding C context tokens in all: the weights are read once
     per step, every running sequence's KV cache is read once per step. P counts the matmul
     weights one token is multiplied by (``active_params``); allreduce(B) is the
@@ -124,6 +137,7 @@ class DecodeCost:
         self.experts_s = routed * wb / bw  # every routed expert, read if every one is touched
         self._miss = 1.0 - m.experts_per_token / m.experts  # the chance a token skips a given expert
         self.per_seq_compute_s = 2.0 * self.params / (flops * r.decode_mfu)
+        self.launch_s = launch_s(sc)
         # allreduce(B) = fixed + B * per_seq: linear in the batch, one token per sequence.
         self.allreduce_fixed_s = allreduce_s(sc, gpus, 0.0)
         self.allreduce_per_seq_s = allreduce_s(sc, gpus, 1.0) - self.allreduce_fixed_s
@@ -142,7 +156,7 @@ class DecodeCost:
             scale = 1.0 if colocated == fitted_colocated else (
                 1.0 / cal.separated_decode_speedup if fitted_colocated else cal.separated_decode_speedup)
             self.overhead_s, self.weights_s, self.per_seq_compute_s = cal.decode_overhead_s * scale, 0.0, cal.decode_per_seq_s * scale
-            self.experts_s = 0.0
+            self.experts_s = self.launch_s = 0.0
             self.allreduce_fixed_s = self.allreduce_per_seq_s = 0.0
             self.kv_s_per_token = cal.decode_kv_s_per_token * scale
             self.prefill_s_per_token = cal.prefill_s_per_token * scale
@@ -156,15 +170,15 @@ class DecodeCost:
         return self.weights_s + self.experts_s * (1.0 - self._miss**running)
 
     def base_s(self, running: int) -> float:
-        """The part of a step that does not grow with context."""
+        """The part of a step that does not grow with context, eager launches (``launch_s``) included."""
         read = self.weights_s if not self.experts_s else self.read_s(running)  # no call for a dense model: per event
-        return (self.overhead_s + max(read, running * self.per_seq_compute_s)
+        return (self.overhead_s + self.launch_s + max(read, running * self.per_seq_compute_s)
                 + self.allreduce_fixed_s + running * self.allreduce_per_seq_s)
 
     def base_s_many(self, running: np.ndarray) -> np.ndarray:
         """``base_s`` of many (possibly fractional) running counts at once."""
         read = self.weights_s + self.experts_s * (1.0 - self._miss**running) if self.experts_s else self.weights_s
-        return (self.overhead_s + np.maximum(read, running * self.per_seq_compute_s)
+        return (self.overhead_s + self.launch_s + np.maximum(read, running * self.per_seq_compute_s)
                 + self.allreduce_fixed_s + running * self.allreduce_per_seq_s)
 
     def step_s(self, running: int, context_tokens: float) -> float:
@@ -186,25 +200,36 @@ class DecodeCost:
 
 class TrainCost:
     """Time of one trainer step: forward + backward FLOPs over the batch at a stated MFU, plus a
-    fixed part: ``trainer.step_overhead_s`` and the data-parallel collectives (``dp_comm_s``).
+    fixed part: ``trainer.step_overhead_s`` and the data-parallel collectives.
 
-    Forward + backward is 3 forwards; recomputing log-probs first adds one more, and
-    activation recompute (gradient checkpointing) one more in the backward. ``colocated``: the
-    trainer shares its GPUs with the engines and runs at ``trainer.colocated_mfu`` if set.
-    """
+    Forward + backward is 3 forwards; recomputing log-probs first adds one more, a reference
+    policy's forward (``trainer.reference``) one more, and activation recompute (gradient
+    checkpointing) one more in the backward. ``colocated``: the trainer shares its GPUs with the
+    engines and runs at ``trainer.colocated_mfu`` if set.
+
+    Without ``trainer.micro_batch_tokens`` the collectives are priced once per optimizer step and
+    not overlapped (``dp_comm_s``), at one MFU whatever the tokens per GPU. With it, each GPU runs
+    its share of an optimizer step's tokens in micro-batches of at most that many tokens (fewer
+    where memory caps them, ``micro_batch_cap``); a micro-batch of x tokens reaches
+    ``mfu * x / (x + x_half)`` (``trainer.micro_batch_half_tokens``), and a
+    sharded trainer gathers the weights and reduce-scatters the gradients once per micro-batch,
+    overlapped with its compute, so a micro-batch costs the longer of the two
+    (``MicroBatches``), and the optimizer update is priced (``optimizer_s``)."""
 
     def __init__(self, sc: Scenario, gpus: int, recompute_logprobs: bool = False, colocated: bool = False) -> None:
         m, t = sc.model, sc.trainer
         self.params = active_params(m)
         # What the algorithm needs (model FLOPs), and what the GPUs run (activation recompute too).
-        self.model_passes = 4.0 if recompute_logprobs else 3.0
+        self.forwards = (1.0 if recompute_logprobs else 0.0) + (1.0 if t.reference else 0.0)  # forward-only passes
+        self.model_passes = 3.0 + self.forwards
         self.passes = self.model_passes + (1.0 if t.activation_recompute else 0.0)
         self._attn = 2.0 * self.passes * m.layers * attention_width(m)
         self.peak_flops = gpus * sc.gpu.bf16_tflops * 1e12
         mfu = t.colocated_mfu if colocated and t.colocated_mfu is not None else t.mfu
         self.flops = self.peak_flops * mfu
         self.overhead_s = t.step_overhead_s
-        self.comm_s = dp_comm_s(sc, gpus, recompute_logprobs)
+        self.micro = MicroBatches(sc, gpus, colocated) if t.micro_batch_tokens is not None else None
+        self.comm_s = 0.0 if self.micro is not None else dp_comm_s(sc, gpus, recompute_logprobs)
         self.alltoall_s_per_token = ep_alltoall_s(sc, gpus, self.passes)
         self.fixed_s = self.overhead_s + self.comm_s  # per step, whatever it trains
         # Calibrated (harness/calibrate.py): the measured step, overhead included (where it was
@@ -226,7 +251,100 @@ class TrainCost:
         if self.calibrated is not None:
             cal = self.calibrated
             return (cal.train_overhead_s + cal.train_s_per_token * tokens + cal.train_s_per_token_sq * tokens_sq) * self.calibrated_scale
-        return self.fixed_s + self.sample_flops(tokens, tokens_sq) / self.flops + tokens * self.alltoall_s_per_token
+        alltoall = tokens * self.alltoall_s_per_token
+        if self.micro is None:
+            return self.fixed_s + self.sample_flops(tokens, tokens_sq) / self.flops + alltoall
+        flops_s = self.sample_flops(tokens, tokens_sq) / self.flops
+        forward_share = self.forwards / self.passes
+        return self.fixed_s + alltoall + self.micro.seconds(tokens, flops_s * (1.0 - forward_share), flops_s * forward_share, self.forwards)
+
+
+class MicroBatches:
+    """A sharded data-parallel trainer's micro-batches at a fixed global batch (``TrainCost``).
+
+    Per optimizer step each of the g GPUs trains T = tokens / (steps * g) tokens in
+    n = ceil(T / cap) micro-batches of x = T / n. A micro-batch of x tokens runs its GEMMs at
+    x / (x + x_half) of the large-batch MFU (llm-foundry's FSDP table,
+    ``trainer.micro_batch_half_tokens``), and gathers the weights for its forward and backward and
+    reduce-scatters its gradients (``P * (2 * dtype + grad_bytes) * (g - 1) / g`` bytes per GPU over
+    NVLink within a node, ``gpu.interconnect_gb_s`` beyond), overlapped: a micro-batch costs
+    max(compute, collectives). Forward-only passes (log-prob recompute, the reference) run in
+    micro-batches of their own, one gather each. The optimizer update reads and writes Adam's
+    state once per optimizer step (``optimizer_s``).
+
+    So a fixed global batch on more GPUs gives each fewer tokens: smaller micro-batches, lower MFU,
+    and the same bytes per micro-batch on the network, which stop hiding behind compute."""
+
+    def __init__(self, sc: Scenario, gpus: int, colocated: bool) -> None:
+        m, t, g = sc.model, sc.trainer, sc.gpu
+        self.gpus = gpus
+        self.cap = max(1.0, min(float(t.micro_batch_tokens), micro_batch_cap(sc, gpus, colocated)))
+        self.steps = t.batch_size // (t.minibatch_size or t.batch_size)
+        self.half = t.micro_batch_half_tokens
+        params = m.params_b * 1e9
+        share = (gpus - 1) / gpus if gpus > 1 and g.interconnect_gb_s is not None else 0.0
+        link = (g.nvlink_gb_s if gpus <= g.gpus_per_node else (g.interconnect_gb_s or g.nvlink_gb_s)) * 1e9
+        self.train_comm_s = share * params * (2 * m.dtype_bytes + t.grad_reduce_bytes) / link
+        self.forward_comm_s = share * params * m.dtype_bytes / link
+        self.optimizer_s = optimizer_s(sc, gpus)
+
+    def efficiency(self, x: float) -> float:
+        """The share of the large-batch MFU a micro-batch of ``x`` tokens per GPU reaches."""
+        return x / (x + self.half)
+
+    def seconds(self, tokens: float, train_s: float, forward_s: float, forwards: float) -> float:
+        """A step of ``tokens`` whose training passes take ``train_s`` and forward-only passes
+        ``forward_s`` at the large-batch MFU, all GPUs busy."""
+        per_gpu = tokens / (self.steps * self.gpus)
+        n = max(1, math.ceil(per_gpu / self.cap - 1e-9))
+        x = per_gpu / n
+        eff = self.efficiency(x) if x > 0 else 1.0
+        micro = self.steps * n
+        total = micro * max(train_s / eff / micro, self.train_comm_s) + self.steps * self.optimizer_s
+        if forwards:
+            n_fwd = max(1, math.ceil(tokens / self.gpus / self.cap - 1e-9))
+            x_fwd = tokens / self.gpus / n_fwd
+            eff_fwd = self.efficiency(x_fwd) if x_fwd > 0 else 1.0
+            total += forwards * n_fwd * max(forward_s / forwards / eff_fwd / n_fwd, self.forward_comm_s)
+        return total
+
+
+# Adam in mixed precision, per parameter and optimizer step: it reads the fp32 master weight, the
+# gradient and both moments (16 bytes) and writes the master weight, both moments and the bf16
+# copy (14 bytes) (ZeRO paper's 16 bytes of model state, read and rewritten).
+ADAM_BYTES_PER_PARAM = 30.0
+
+
+def optimizer_s(sc: Scenario, gpus: int) -> float:
+    """Seconds of one optimizer update on each GPU: Adam's bytes for its parameters at HBM speed,
+    1 / gpus of them where the state is sharded (``trainer.optimizer_sharded``), all of them else."""
+    g = sc.gpu
+    shards = gpus if sc.trainer.optimizer_sharded else 1
+    return sc.model.params_b * 1e9 / shards * ADAM_BYTES_PER_PARAM / (g.hbm_gb_s * 1e9 * g.hbm_efficiency)
+
+
+# Training bytes per token per layer of 16-bit activations without recompute, attention by a fused
+# kernel (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models":
+# s*b*h*(34 + 5*a*s/h), the second term gone with flash attention).
+ACTIVATION_BYTES_PER_HIDDEN = 34.0
+
+
+def micro_batch_cap(sc: Scenario, gpus: int, colocated: bool) -> float:
+    """Tokens one trainer GPU can hold in a micro-batch: its memory less the trainer's model state
+    (16 bytes a parameter, ZeRO; sharded over the GPUs as ``trainer.optimizer_sharded`` says) and,
+    colocated, what the engines keep (``sync.engine_sleeps``), over the activations of a token:
+    34 x hidden bytes a layer (Korthikanti et al.), or with activation recompute 2 x hidden a layer
+    kept plus one layer's 34 x hidden, and the fp32 logits of a token (vocab x 4) that log-probs need."""
+    m, t, g, r = sc.model, sc.trainer, sc.gpu, sc.rollout
+    params = m.params_b * 1e9
+    state = params * 16.0 / (gpus if t.optimizer_sharded else 1)
+    kept = 0.0
+    if colocated:
+        kept = (r.activation_reserve_gb if sc.sync.engine_sleeps else g.memory_gb * r.gpu_memory_utilization) * 1e9
+    h = m.hidden * m.dtype_bytes / 2.0
+    per_token = (2.0 * h * m.layers + ACTIVATION_BYTES_PER_HIDDEN * h) if t.activation_recompute else ACTIVATION_BYTES_PER_HIDDEN * h * m.layers
+    per_token += 4.0 * (m.vocab or 0)
+    return (g.memory_gb * 1e9 - state - kept) / per_token
 
 
 def ep_alltoall_s(sc: Scenario, gpus: int, passes: float) -> float:
@@ -265,19 +383,44 @@ def dp_comm_s(sc: Scenario, gpus: int, logprob_pass: bool) -> float:
     return (gpus - 1) / gpus * moved / bw
 
 
+def model_tensors(sc: Scenario) -> int:
+    """Named tensors a sync moves: ``model.tensors``, else counted from the architecture in Qwen's
+    layout (12 a dense layer; 9 + 3 x experts a MoE layer; plus embeddings, final norm and head);
+    with ``trainer.lora`` the adapter's A and B of each targeted matrix of each layer."""
+    m, lora = sc.model, sc.trainer.lora
+    if lora is not None:
+        return m.layers * len(lora.targets) * 2
+    if m.tensors is not None:
+        return m.tensors
+    per_layer = 9 + 3 * m.experts if m.experts > 1 else 12
+    return m.layers * per_layer + 3
+
+
+def fits_one_node(sc: Scenario) -> bool:
+    """Whether the trainer and the engines of a separated placement share one node's NVLink."""
+    r = sc.resources
+    return r.rollout_gpus + r.trainer_gpus <= sc.gpu.gpus_per_node
+
+
 class TransferCost:
-    """Weight transfer at a sync; a broadcast costs one pass however many receive.
+    """Weight transfer at a sync.
 
-    Colocated: latency + the switch between trainer and engine memory (``switch_s``) + the
-    in-node reshard at ``sync.colocated_bandwidth_gb_s``.
+    Colocated: latency + the switch between trainer and engine memory (``switch_s``: offload,
+    reload, the KV cache released and rebuilt) + the in-node reshard at
+    ``sync.colocated_bandwidth_gb_s`` + each tensor's host cost (``sync.per_tensor_s``).
 
-    Separated, ``sync.transport: broadcast`` (core/real/weight_broadcast.py): the weights in the
-    model's dtype go out in buckets of ``sync.bucket_mb``; a receiver loads bucket i into its
-    parameters while bucket i + 1 is on the wire, so of the two stages (wire at
-    ``sync.bandwidth_gb_s``, load at the device's copy rate) the slower one sets the pace and the
-    other adds one bucket's worth; each bucket pays ``sync.bucket_overhead_s``:
+    Separated, ``sync.transport: broadcast`` (core/real/weight_broadcast.py), by topology: over
+    NVLink where trainer and engines share a node (``fits_one_node``), else the RDMA wire at
+    ``sync.bandwidth_gb_s`` per NIC. Three stages run pipelined bucket by bucket (per tensor when
+    not ``sync.bucketed``), so the slowest sets the pace and the others add one bucket's worth:
+    the senders gather full tensors from the trainer's shards ((g - 1) / g of the bytes over the
+    trainer's links, split over ``sync.senders``), the wire (one sender broadcasts every byte to
+    every receiver; several senders each send a share, and each receiver takes only its
+    tensor-parallel shard), and the receivers' load into their parameters at the device's copy
+    rate. Host costs add: each tensor's ``sync.per_tensor_s`` and each collective call's
+    ``sync.bucket_overhead_s`` (one a bucket, or one a tensor unbucketed), split over the senders:
 
-        latency + n_buckets * overhead + max(wire, load) + bucket / max(bandwidth, load rate)
+        latency + tensors * per_tensor + calls * call + max(gather, wire, load) + one bucket's fill
 
     ``object_store``: float32 copies put once and resolved, written and reloaded by every engine
     at once, at ``sync.object_store_gb_s`` of float32 bytes (measured on this code).
@@ -290,24 +433,34 @@ class TransferCost:
     (``quantize_s``), once per sync, added to the latency."""
 
     def __init__(self, sc: Scenario, colocated: bool) -> None:
-        s, m, g = sc.sync, sc.model, sc.gpu
+        s, m, g, r = sc.sync, sc.model, sc.gpu, sc.resources
         params = synced_params(sc)
         self.bytes = params * m.dtype_bytes
+        self.tensors = model_tensors(sc)
         self.switch_s = colocated_switch_s(sc) if colocated else 0.0
         self.latency_s = s.latency_s + self.switch_s + quantize_s(sc)
-        self.pipeline_s = 0.0  # bucket overheads and the pipeline's fill, besides bytes / bandwidth
+        self.pipeline_s = 0.0  # host costs, bucket overheads and the pipeline's fill, besides bytes / bandwidth
         if colocated:
             self.bandwidth = s.colocated_bandwidth_gb_s * 1e9
+            self.pipeline_s = self.tensors * s.per_tensor_s
         elif s.transport == "object_store":
             self.bytes = params * 4.0
             self.bandwidth = s.object_store_gb_s * 1e9
         else:
-            wire = s.bandwidth_gb_s * 1e9
-            load = g.hbm_gb_s * g.hbm_efficiency * 1e9 / 2.0  # an in-place copy reads and writes
-            bucket = min(s.bucket_mb * 2**20, self.bytes)
-            buckets = math.ceil(self.bytes / bucket)
-            self.bandwidth = min(wire, load)
-            self.pipeline_s = buckets * s.bucket_overhead_s + bucket / max(wire, load)
+            senders = max(1, min(s.senders, r.trainer_gpus))
+            one_node = fits_one_node(sc)
+            wire = (g.nvlink_gb_s if one_node else s.bandwidth_gb_s) * 1e9
+            shard = r.gpus_per_engine if senders > 1 else 1  # a receiver takes its shard, or all
+            wire_s = max(self.bytes / shard, self.bytes / senders) / wire
+            trainer_link = (g.nvlink_gb_s if r.trainer_gpus <= g.gpus_per_node else (g.interconnect_gb_s or s.bandwidth_gb_s)) * 1e9
+            gather_s = (r.trainer_gpus - 1) / r.trainer_gpus * self.bytes / senders / trainer_link
+            load_s = self.bytes / shard / (g.hbm_gb_s * g.hbm_efficiency * 1e9 / 2.0)  # an in-place copy reads and writes
+            stage_s = max(wire_s, gather_s, load_s)
+            bucket = min(s.bucket_mb * 2**20, self.bytes) if s.bucketed else self.bytes / self.tensors
+            calls = math.ceil(self.bytes / bucket) if s.bucketed else self.tensors
+            fill_s = (wire_s + gather_s + load_s - stage_s) * bucket / self.bytes
+            self.bandwidth = self.bytes / stage_s if stage_s > 0 else float("inf")
+            self.pipeline_s = (self.tensors * s.per_tensor_s + calls * s.bucket_overhead_s) / senders + fill_s
         if sc.calibrated is not None:  # measured (harness/calibrate.py): the whole pause, whatever the bytes
             self.switch_s, self.latency_s, self.pipeline_s, self.bandwidth = 0.0, sc.calibrated.transfer_s, 0.0, float("inf")
 
@@ -316,13 +469,21 @@ class TransferCost:
 
 
 def colocated_switch_s(sc: Scenario) -> float:
-    """Seconds per sync that colocated GPUs spend moving state aside and back: ``sync.colocated_switch_s``
-    if given, else each GPU's share of the trainer state (sharded over every GPU) plus its engine's
-    weights (sharded over the engine's GPUs), out to the host and back at ``sync.offload_gb_s``."""
+    """Seconds per sync that colocated GPUs spend switching between trainer and engines:
+    ``sync.colocated_switch_s`` if given, else each GPU's share of the trainer state (sharded over
+    every GPU), of the reference weights (``trainer.reference``) and, where engines sleep
+    (``sync.engine_sleeps``), of its engine's weights, out to the host and back at
+    ``sync.offload_gb_s``, plus the engine's KV cache released and rebuilt (``sync.kv_rebuild_s``)."""
     s, r, m = sc.sync, sc.resources, sc.model
     if s.colocated_switch_s is not None:
         return s.colocated_switch_s
     params = m.params_b * 1e9
-    per_gpu = params * s.trainer_state_bytes_per_param / (r.rollout_gpus + r.trainer_gpus)
-    per_gpu += params * m.dtype_bytes / r.gpus_per_engine
-    return 2.0 * per_gpu / (s.offload_gb_s * 1e9)
+    gpus = r.rollout_gpus + r.trainer_gpus
+    per_gpu = params * s.trainer_state_bytes_per_param / gpus
+    if sc.trainer.reference:
+        per_gpu += params * m.dtype_bytes / gpus
+    rebuild = 0.0
+    if s.engine_sleeps:
+        per_gpu += params * m.dtype_bytes / r.gpus_per_engine
+        rebuild = s.kv_rebuild_s
+    return 2.0 * per_gpu / (s.offload_gb_s * 1e9) + rebuild

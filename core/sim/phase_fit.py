@@ -46,7 +46,7 @@ def window_generate_s(sc: Scenario, engines: int, first_group: int, groups: int)
     prefills its prompts, then decodes until its longest response ends, its batch thinning
     as responses finish; the window waits for the slowest engine."""
     decode = DecodeCost(sc, sc.resources.gpus_per_engine, colocated=True)
-    w = Workload(sc.workload, sc.seed)
+    w = Workload.of(sc)
     lengths = w.sample_lengths(first_group + groups)[first_group:]
     p = sc.workload.prompt_tokens
     slowest = 0.0
@@ -64,7 +64,7 @@ def _window_tokens(sc: Scenario, samples: int) -> tuple[float, float]:
     """Mean tokens and squared tokens of a window of ``samples`` samples (prompt + response)."""
     n = sc.workload.group_size
     groups = samples // n
-    t = sc.workload.prompt_tokens + Workload(sc.workload, sc.seed).sample_lengths(groups * WINDOWS).astype(np.float64)
+    t = sc.workload.prompt_tokens + Workload.of(sc).sample_lengths(groups * WINDOWS).astype(np.float64)
     return float(t.sum()) / WINDOWS, float((t * t).sum()) / WINDOWS
 
 

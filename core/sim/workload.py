@@ -38,12 +38,26 @@ class Workload:
     with ``workload.lengths``, the file's distribution drawn through the same normals (its
     quantile at Phi(z)), so a group's lengths stay correlated as ``prompt_share`` says."""
 
-    def __init__(self, spec: WorkloadSpec, seed: int, agent: Optional[AgentSpec] = None) -> None:
+    def __init__(self, spec: WorkloadSpec, seed: int, agent: Optional[AgentSpec] = None, prompts_per_step: int = 0) -> None:
         self.spec = spec
         self.seed = seed
         self.agent = agent
         self._blocks: dict[int, np.ndarray] = {}
         self._empirical = read_lengths(spec.lengths) if spec.lengths is not None else None
+        if spec.length_drift and prompts_per_step < 1:
+            raise ValueError("workload.length_drift needs the prompts of one trainer step: build the workload with Workload.of(scenario)")
+        self.prompts_per_step = prompts_per_step
+
+    @classmethod
+    def of(cls, sc, agent: Optional[AgentSpec] = None) -> "Workload":
+        """The scenario's workload: its lengths drift over the trainer's steps where it says so."""
+        return cls(sc.workload, sc.seed, agent, sc.trainer.batch_size // sc.workload.group_size)
+
+    def drift(self, prompt_ids: np.ndarray) -> np.ndarray:
+        """The factor on the lengths of each prompt: ``workload.length_drift`` at the trainer step
+        the prompt is planned for, linear between its points and flat beyond them."""
+        steps, factors = zip(*self.spec.length_drift)
+        return np.interp(prompt_ids / self.prompts_per_step, steps, factors)
 
     def _block(self, b: int) -> np.ndarray:
         s = self.spec
@@ -52,10 +66,12 @@ class Workload:
         z_resp = rng.standard_normal((_BLOCK, s.group_size))
         z = np.sqrt(s.prompt_share) * z_prompt + np.sqrt(1.0 - s.prompt_share) * z_resp
         if self._empirical is not None:
-            lengths = np.rint(self._empirical.at(_PHI(z).astype(np.float64)))
+            raw = self._empirical.at(_PHI(z).astype(np.float64))
         else:
-            lengths = np.rint(s.response_median * np.exp(s.response_sigma * z))
-        return np.clip(lengths, 1, s.max_response_len).astype(np.int64)
+            raw = s.response_median * np.exp(s.response_sigma * z)
+        if s.length_drift:  # unset, the lengths are bit for bit those of before the drift
+            raw = raw * self.drift(b * _BLOCK + np.arange(_BLOCK, dtype=np.float64))[:, None]
+        return np.clip(np.rint(raw), 1, s.max_response_len).astype(np.int64)
 
     def response_lengths(self, prompt_id: int) -> np.ndarray:
         """Target length of each of the group's responses (EOS position in the sim)."""
