@@ -1,5 +1,7 @@
 """``python -m harness.run SCENARIO --band``: each mode's speedup over sync as an interval, and the
-input that moves it most (core/sim/band.py says how the points are drawn).
+input that moves it most (core/sim/band.py says how the points are drawn). The speedup is in
+trained tokens per second, as the comparison table's; in trained samples too (``samples``), the
+unit of a published step time at a fixed batch.
 
 The band runs ``band.points`` scenarios besides the run itself, each in every mode, in worker
 processes; it is written into ``summary.json`` (``band``, and each mode's ``speedup_band``) and each
@@ -44,7 +46,8 @@ def tokens_per_s(sc: Scenario, changes: dict) -> dict:
     out = {}
     for mode in sc.modes:
         r = run_mode(point, mode)
-        out[mode] = (r.ledger.prompt_tokens + r.ledger.response_tokens) / r.end_s if r.end_s > 0 else 0.0
+        end = r.end_s if r.end_s > 0 else float("inf")
+        out[mode] = ((r.ledger.prompt_tokens + r.ledger.response_tokens) / end, r.ledger.trainings / end)
     return out
 
 
@@ -54,13 +57,12 @@ def compute(sc: Scenario, workers: Optional[int] = None, on_done: Optional[Calla
     jobs = [(i, (sc, band.changes(sc, ks, values[i]))) for i in range(len(values))]
     results = run_all(tokens_per_s, jobs, workers or os.cpu_count() or 1, on_done)
     failed = [results[i]["error"] for i in range(len(values)) if "error" in results[i]]
-    modes = {}
-    for mode in sc.modes:
-        if mode == "sync":
-            continue
-        speedups = np.array([results[i][mode] / results[i]["sync"] if "error" not in results[i] and results[i]["sync"] else np.nan
-                             for i in range(len(values))])
-        modes[mode] = band.summarize(ks, values, speedups)
+    def speedups(mode: str, k: int) -> np.ndarray:  # k: 0 trained tokens, 1 trained samples
+        return np.array([results[i][mode][k] / results[i]["sync"][k] if "error" not in results[i] and results[i]["sync"][k] else np.nan
+                         for i in range(len(values))])
+
+    modes = {mode: {**band.summarize(ks, values, speedups(mode, 0)), "samples": band.summarize(ks, values, speedups(mode, 1))}
+             for mode in sc.modes if mode != "sync"}
     return {
         "points": len(values),
         "failed": len(failed),
@@ -77,6 +79,8 @@ def attach(drawn: dict, summary: dict, where: Path) -> None:
     for mode, b in drawn["modes"].items():
         if mode in summary["modes"] and "p10" in b:
             summary["modes"][mode]["speedup_band"] = [b["p10"], b["p50"], b["p90"]]
+            s = b["samples"]
+            summary["modes"][mode]["speedup_band_samples"] = [s["p10"], s["p50"], s["p90"]]
         path = where / mode / "report.json"
         if path.is_file():
             rep = report.read_json(path)

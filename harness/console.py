@@ -355,17 +355,25 @@ def _fmt(key: str, v) -> str:
 
 def published_table(name: str, summary: dict) -> Table:
     """Predicted speedups beside published ones, with how far off each is."""
+    """Predicted speedups (trained samples per second: a published step time is at a fixed batch)
+    beside published ones, how far off each is, and with ``--band`` whether the published one is
+    inside the band's 10th-90th percentile."""
     t = Table(title=f"{name}: predicted vs published", title_justify="left")
-    for col in ("variant", "mode", "predicted vs sync", "published", "off by", "source"):
+    for col in ("variant", "mode", "predicted vs sync", "band p10-p90", "published", "off by", "inside", "source"):
         t.add_column(col, justify="left" if col in ("variant", "mode", "source") else "right")
     for label, entry in summary["variants"].items():
         pub = entry.get("published") or {}
         if "speedup_vs_sync" not in pub:
             continue
         mode = pub.get("mode", "partial")
-        pred = entry["modes"].get(mode, {}).get("speedup_vs_sync")
+        row = entry["modes"].get(mode, {})
+        pred = row.get("speedup_vs_sync")
         off = f"{100 * (pred / pub['speedup_vs_sync'] - 1):+.0f}%" if pred else "-"
-        t.add_row(label, mode, _fmt("speedup_vs_sync", pred), _fmt("speedup_vs_sync", pub["speedup_vs_sync"]), off, str(pub.get("source", "")))
+        b = row.get("speedup_band_samples")
+        shown = f"{b[0]:.2f}x - {b[2]:.2f}x" if b else "-"
+        inside = ("yes" if b[0] <= pub["speedup_vs_sync"] <= b[2] else "no") if b else "-"
+        t.add_row(label, mode, _fmt("speedup_vs_sync", pred), shown, _fmt("speedup_vs_sync", pub["speedup_vs_sync"]), off, inside,
+                  str(pub.get("source", "")))
     return t
 
 

@@ -275,6 +275,8 @@ def variants_summary(sc: Scenario, entries: dict[str, tuple[dict, dict]]) -> dic
     variants = {}
     for label, (summ, pub) in entries.items():
         variants[label] = {"modes": summ["modes"], "published": pub}
+        if "band" in summ:
+            variants[label]["band"] = summ["band"]
         if "over_seeds" in summ:
             variants[label].update(seeds=summ["seeds"], over_seeds=summ["over_seeds"])
     return {"schema": SUMMARY_SCHEMA, "scenario_name": sc.name, "variants": variants}

@@ -19,7 +19,7 @@ from typing import Annotated, Literal, Optional, TypeVar
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from core.model.measurements import COLLECTIVE_CALL, EAGER_LAYER, EAGER_MOE_LAYER, HOST_COPY_GB_S, KV_REBUILD, MICRO_BATCH_HALF_TOKENS, PER_TENSOR
+from core.model.measurements import COLLECTIVE_CALL, EAGER_LAYER, EAGER_MOE_LAYER, HOST_COPY_GB_S, KV_REBUILD, MICRO_BATCH_HALF_TOKENS, PER_TENSOR, SYNC_LATENCY
 from core.model.length_file import LengthFileError, read_lengths
 from core.model.model_dir import ModelDirError, check_loadable, linear_layers, read_model_dir, read_tokenizer
 from core.model.owned import is_owned
@@ -583,6 +583,12 @@ class TrainerSpec(_Frozen):
     micro_batch_half_tokens: float = Field(MICRO_BATCH_HALF_TOKENS.value, gt=0)
     """Tokens per GPU micro-batch at which training reaches half of ``mfu`` (core/model/measurements.py
     MICRO_BATCH_HALF_TOKENS); read only with ``micro_batch_tokens``."""
+    weights_sharded: bool = True
+    """With ``micro_batch_tokens``: the weights are sharded over the data-parallel GPUs (FSDP,
+    ZeRO-3), gathered for every micro-batch's forward and backward, gradients reduce-scattered
+    after each. False: each GPU holds the weights (DDP; Megatron's distributed optimizer, ZeRO-1):
+    gradients are reduced and updated weights gathered once per optimizer step, behind the last
+    micro-batch's backward."""
     reference: bool = False
     """A reference policy's forward pass over every trained sample (a KL penalty or KL loss;
     verl use_kl_loss or use_kl_in_reward): one more forward per sample, and in colocated sync the
@@ -635,8 +641,9 @@ class SyncSpec(_Frozen):
     resolved, written to a file and reloaded by every engine at once. 0.9: its stages in series
     as measured on a 2-core CPU machine (fp32 copy 3.8, put 10.5, file 2.1, vLLM reload 3.8 GB/s;
     issue 16)."""
-    latency_s: float = Field(0.5, ge=0)
-    """Fixed cost of one transfer: gathering shards and starting the broadcast (assumed)."""
+    latency_s: float = Field(SYNC_LATENCY.value, ge=0)
+    """Fixed cost of one transfer besides its bytes and tensors (core/model/measurements.py
+    SYNC_LATENCY; it was an assumed 0.5 s)."""
     bucketed: bool = True
     """`broadcast`: tensors are packed into buckets of ``bucket_mb``, one collective each
     (asyncrl, slime, NeMo-RL). False: one collective per tensor (verl's fully-async NCCL sync),

@@ -260,17 +260,20 @@ class TrainCost:
 
 
 class MicroBatches:
-    """A sharded data-parallel trainer's micro-batches at a fixed global batch (``TrainCost``).
+    """A data-parallel trainer's micro-batches at a fixed global batch (``TrainCost``).
 
     Per optimizer step each of the g GPUs trains T = tokens / (steps * g) tokens in
     n = ceil(T / cap) micro-batches of x = T / n. A micro-batch of x tokens runs its GEMMs at
     x / (x + x_half) of the large-batch MFU (llm-foundry's FSDP table,
-    ``trainer.micro_batch_half_tokens``), and gathers the weights for its forward and backward and
-    reduce-scatters its gradients (``P * (2 * dtype + grad_bytes) * (g - 1) / g`` bytes per GPU over
-    NVLink within a node, ``gpu.interconnect_gb_s`` beyond), overlapped: a micro-batch costs
-    max(compute, collectives). Forward-only passes (log-prob recompute, the reference) run in
-    micro-batches of their own, one gather each. The optimizer update reads and writes Adam's
-    state once per optimizer step (``optimizer_s``).
+    ``trainer.micro_batch_half_tokens``). With sharded weights (``trainer.weights_sharded``) it
+    gathers them for its forward and backward and reduce-scatters its gradients
+    (``P * (2 * dtype + grad_bytes) * (g - 1) / g`` bytes per GPU over NVLink within a node,
+    ``gpu.interconnect_gb_s`` beyond), overlapped: a micro-batch costs max(compute, collectives),
+    and forward-only passes (log-prob recompute, the reference) run in micro-batches of their
+    own, one gather each. Replicated weights reduce the gradients and gather the update once per
+    optimizer step (``P * (dtype + grad_bytes) * (g - 1) / g``), hidden behind the last
+    micro-batch only. The optimizer update reads and writes Adam's state once per optimizer step
+    (``optimizer_s``).
 
     So a fixed global batch on more GPUs gives each fewer tokens: smaller micro-batches, lower MFU,
     and the same bytes per micro-batch on the network, which stop hiding behind compute."""
@@ -284,8 +287,11 @@ class MicroBatches:
         params = m.params_b * 1e9
         share = (gpus - 1) / gpus if gpus > 1 and g.interconnect_gb_s is not None else 0.0
         link = (g.nvlink_gb_s if gpus <= g.gpus_per_node else (g.interconnect_gb_s or g.nvlink_gb_s)) * 1e9
-        self.train_comm_s = share * params * (2 * m.dtype_bytes + t.grad_reduce_bytes) / link
-        self.forward_comm_s = share * params * m.dtype_bytes / link
+        self.sharded = t.weights_sharded
+        # Sharded: per micro-batch, two gathers and a reduce-scatter; replicated: per optimizer
+        # step, the gradients reduced and the updated weights gathered (forward-only passes: nothing).
+        self.train_comm_s = share * params * ((2 if self.sharded else 1) * m.dtype_bytes + t.grad_reduce_bytes) / link
+        self.forward_comm_s = share * params * m.dtype_bytes / link if self.sharded else 0.0
         self.optimizer_s = optimizer_s(sc, gpus)
 
     def efficiency(self, x: float) -> float:
@@ -300,7 +306,12 @@ class MicroBatches:
         x = per_gpu / n
         eff = self.efficiency(x) if x > 0 else 1.0
         micro = self.steps * n
-        total = micro * max(train_s / eff / micro, self.train_comm_s) + self.steps * self.optimizer_s
+        compute = train_s / eff / micro  # one micro-batch's
+        if self.sharded:
+            total = micro * max(compute, self.train_comm_s)
+        else:  # the step's reduction hides behind its last micro-batch only
+            total = micro * compute + self.steps * max(0.0, self.train_comm_s - compute)
+        total += self.steps * self.optimizer_s
         if forwards:
             n_fwd = max(1, math.ceil(tokens / self.gpus / self.cap - 1e-9))
             x_fwd = tokens / self.gpus / n_fwd
