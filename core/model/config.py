@@ -440,10 +440,10 @@ class RolloutSpec(_Frozen):
     (vLLM's --enable-expert-parallel: the engine's tensor-parallel GPUs). 1, or
     resources.gpus_per_engine: each MoE layer then trades its tensor-parallel all-reduce for an
     all-to-all that sends each token to its experts' GPUs and back (core/sim/costs.py)."""
-    cuda_graphs: bool = True
-    """Decode steps replay captured CUDA graphs (vLLM's default). False is vLLM's
-    ``enforce_eager``, common in RL launch scripts: every step then launches each layer's kernels
-    from the host, and a step cannot end before they are launched (``eager_layer_s``)."""
+    enforce_eager: bool = False
+    """vLLM's ``enforce_eager``, common in RL launch scripts: decode steps launch each layer's
+    kernels from the host (``eager_layer_s``) instead of replaying captured CUDA graphs (vLLM's
+    default, False)."""
     eager_layer_s: float = Field(EAGER_LAYER.value, ge=0)
     """Without CUDA graphs: host seconds to launch one dense layer's kernels in a decode step
     (core/model/measurements.py EAGER_LAYER)."""

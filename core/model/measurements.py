@@ -34,7 +34,7 @@ EAGER_MOE_LAYER = Measured(
     "launches the router GEMM, top-k softmax, block alignment, two fused-MoE GEMMs, the activation "
     "and the weighted sum where a dense MLP launches three, so about four more host dispatches of "
     "10-20 us each through PyTorch's eager dispatcher (NVIDIA Nsight guide: ~20 us per PyTorch "
-    "launch on V100; 5-10 us for a bare cudaLaunchKernel)",
+    "launch on V100; 5-10 us for a bare kernel launch from C++)",
 )
 PER_TENSOR = Measured(
     2.0e-5, 1.0e-5, 5.0e-5,
@@ -44,8 +44,8 @@ PER_TENSOR = Measured(
 COLLECTIVE_CALL = Measured(
     1.0e-4, 3.0e-5, 2.0e-4,
     "seconds of one collective call from Python: torch.distributed all_reduce of 0.1-1 MB on one "
-    "H100 node took 116-230 us against nccl-tests' 10-20 us (IBM pytorch-communication-benchmarks "
-    "issue 1); an H20 node's 4-byte NCCL all_reduce alone is 12.5 us (DeepEP issue 303)",
+    "H100 node took 116-230 us against the bare collective's 10-20 us in NVIDIA's collective tests (IBM pytorch-communication-benchmarks "
+    "issue 1); an H20 node's 4-byte all_reduce alone is 12.5 us (DeepEP issue 303)",
 )
 KV_REBUILD = Measured(
     0.26, 0.1, 0.8,

@@ -87,7 +87,7 @@ def knobs(sc: Scenario) -> list[Knob]:
     change its figures (an eager launch term only without CUDA graphs, a MoE term only for a
     mixture of experts, lengths only without a measured length file...)."""
     out: dict[str, Knob] = {}
-    eager = not sc.rollout.cuda_graphs
+    eager = sc.rollout.enforce_eager
     for key, (lo, hi, why) in RELATIVE.items():
         v = _value(sc, key)
         if v is None or isinstance(v, bool) or v <= 0:

@@ -98,14 +98,14 @@ def alltoall_bytes(sc: Scenario, ep: int, tokens_per_gpu: float) -> float:
 
 
 def launch_s(sc: Scenario) -> float:
-    """Seconds a decode step without CUDA graphs (``rollout.cuda_graphs: false``, vLLM's
+    """Seconds a decode step without CUDA graphs (``rollout.enforce_eager: true``, vLLM's
     enforce_eager) spends on host launches that the GPU's work does not hide: per layer
     ``rollout.eager_layer_s``, plus ``rollout.eager_moe_layer_s`` for a mixture-of-experts layer.
     Added to the step, as it was measured: eager minus graph latency at the same batch
     (core/model/measurements.py). 0 with graphs, whose replay is one launch inside
     ``rollout.decode_overhead_s``."""
     r, m = sc.rollout, sc.model
-    if r.cuda_graphs:
+    if not r.enforce_eager:
         return 0.0
     return m.layers * (r.eager_layer_s + (r.eager_moe_layer_s if m.experts > 1 else 0.0))
 
