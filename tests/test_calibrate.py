@@ -100,6 +100,11 @@ def test_fit_recovers_the_cost_model_from_synthetic_spans():
     noisy = fit_spans(synthetic_spans(truth(), noise=0.05, seed=1))
     assert noisy.decode["running"] == pytest.approx(KNOWN["decode_per_seq_s"], rel=0.1)
     assert noisy.decode["context"] == pytest.approx(KNOWN["decode_kv_s_per_token"], rel=0.1)
+    # The fits' errors go with the coefficients, for the band to draw within (docs/band.md):
+    # none on exact spans, about the noise on noisy ones.
+    exact, rough = cal.calibrated("x", {}), noisy.calibrated("x", {})
+    assert exact["decode_error"] == pytest.approx(0, abs=1e-6) and exact["train_error"] == pytest.approx(0, abs=1e-3)
+    assert 0.01 < rough["decode_error"] < 0.1 and 0.01 < rough["train_error"] < 0.1
 
 
 def test_round_trip_sim_spans_calibrate_sim(tmp_path, monkeypatch):
