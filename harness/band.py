@@ -36,8 +36,8 @@ def check(sc: Scenario) -> None:
         raise ScenarioError(f"--band: seeds = {list(sc.seeds)}; fix: draw the band for one seed (--set seeds=[])")
 
 
-def tokens_per_s(sc: Scenario, changes: dict) -> dict:
-    """One point, in a worker process: trained tokens per second of every mode of ``sc`` with
+def rates(sc: Scenario, changes: dict) -> dict:
+    """One point, in a worker process: trained (tokens, samples) per second of every mode of ``sc`` with
     ``changes`` (a point the scenario's checks refuse is a failed point, not the end of the band)."""
     try:
         point = with_changes(sc, changes)
@@ -55,7 +55,7 @@ def compute(sc: Scenario, workers: Optional[int] = None, on_done: Optional[Calla
     """The band of every mode but sync: its points' percentiles and what to measure first."""
     ks, values = band.draws(sc)
     jobs = [(i, (sc, band.changes(sc, ks, values[i]))) for i in range(len(values))]
-    results = run_all(tokens_per_s, jobs, workers or os.cpu_count() or 1, on_done)
+    results = run_all(rates, jobs, workers or os.cpu_count() or 1, on_done)
     failed = [results[i]["error"] for i in range(len(values)) if "error" in results[i]]
     def speedups(mode: str, k: int) -> np.ndarray:  # k: 0 trained tokens, 1 trained samples
         return np.array([results[i][mode][k] / results[i]["sync"][k] if "error" not in results[i] and results[i]["sync"][k] else np.nan
