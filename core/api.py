@@ -23,6 +23,16 @@ class RunStopped(Exception):
     it; its checkpoints are left for ``--resume``."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C stopped the run. At the first, rollout stopped and the tool calls under way were
+    waited for and journaled; a second stopped the wait: ``unjournaled`` holds the ids of the
+    calls it left running, which a resumed run may make again."""
+
+    def __init__(self, unjournaled: Sequence[str] = ()) -> None:
+        super().__init__()
+        self.unjournaled = tuple(unjournaled)
+
+
 # What a sync does to generations in flight: drain them, abort and resume them, or keep them
 # running on the new weights (engines frozen between decode steps while the weights load).
 PauseMode = Literal["wait", "abort", "keep"]
@@ -87,6 +97,9 @@ class AgentLoop(Protocol):
 
     async def settle(self) -> None:
         """Wait for the tool calls still running (the run's end: none is left unrecorded)."""
+
+    def under_way(self) -> list[str]:
+        """The ids of the tool calls running now, not yet recorded."""
 
     def forget(self, groups: Sequence[Group]) -> None:
         """The groups are done with (queued or dropped): their episodes' records may go."""

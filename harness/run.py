@@ -36,9 +36,10 @@ from core.model.faults import RestartsExhausted
 from core.pipeline.group_filter import FilterStarved
 from core.model.user_code import UserCodeError
 from core.runtimes.ray_start import cluster
-from core.runtimes.ray_checkpoint import load_ray_run
-from core.runtimes.run_checkpoint import load_run, scenario_digest
-from core.store.checkpoint import CheckpointError
+from core.runtimes.ray_checkpoint import ROLLOUT_FILE, load_ray_run, load_rollout_side
+from core.runtimes.run_checkpoint import load_run, scenario_digest, tool_journal_mark
+from core.store import tool_journal
+from core.store.checkpoint import STATE_FILE, CheckpointError
 from core.model.config import ConfigError, with_changes
 from core.model.env_config import EnvScenario
 from core.model.owned import is_owned
@@ -91,7 +92,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    started()
+    # Ctrl-C stays "interrupted while starting" (harness/__init__.py) until the run directory is
+    # claimed: every check before it imports lazily (tensorboardX imports torch), and has
+    # written nothing.
     try:
         args = parse_args(argv)
     except ArgumentError as exc:
@@ -145,9 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ScenarioError, CheckpointError, RunDirectoryError) as exc:
         err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
-    if resumable and args.resume is None:
-        report.write_json(where.path / SCENARIO_FILE, first.model_dump(mode="json"))
+    started()
     try:
+        if resumable and args.resume is None:
+            report.write_json(where.path / SCENARIO_FILE, first.model_dump(mode="json"))
         if env_kind:
             summary = _env_harness().main(first, where.path, console, plots=not args.no_plots, profile=args.profile,
                                    stop_at_version=args.stop_at_step)
@@ -170,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         err.print(f"[bold red]error:[/] {escape(str(line))}" + (f" (checkpoints kept in {where.out})" if kept else ""),
                   highlight=False, soft_wrap=True)
         return 1
-    except KeyboardInterrupt:  # Ctrl-C: one line on what is left, not the traceback of wherever the run was
-        return _interrupted(where.out if where.abandon(keep=resumable) else None, err)
+    except KeyboardInterrupt as exc:  # Ctrl-C: one line on what is left, not the traceback of wherever the run was
+        return _interrupted(where.out if where.abandon(keep=resumable) else None, err, getattr(exc, "unjournaled", ()))
     except BaseException:
         where.abandon(keep=resumable)
         raise
@@ -184,10 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _interrupted(kept: Path | None, err: Console) -> int:
+def _interrupted(kept: Path | None, err: Console, unjournaled: tuple[str, ...] = ()) -> int:
     """Ctrl-C: one line on what the run left in ``kept`` (None: nothing), instead of the traceback
     of wherever it was, and exit code 130 (128 + SIGINT). A run written in place with checkpoints
-    is resumable; any other was removed, and a finished run it would have replaced is as it was."""
+    is resumable; any other was removed, and a finished run it would have replaced is as it was.
+    ``unjournaled``: a second Ctrl-C cut short the wait for these tool calls; the process exits
+    now, without waiting for their threads."""
     # The run's asyncio tasks die with it; collected, each would be logged with a traceback as
     # an exception never retrieved.
     logging.getLogger("asyncio").setLevel(logging.CRITICAL + 1)
@@ -200,7 +206,14 @@ def _interrupted(kept: Path | None, err: Console) -> int:
         line = f"interrupted; its checkpoints are kept in {kept}. Go on with: python -m harness.run --resume {kept}"
     else:
         line = f"interrupted before its first checkpoint; {kept} keeps its scenario. Start it again with: python -m harness.run --resume {kept}"
+    if unjournaled:
+        ids = ", ".join(unjournaled[:20]) + (f" and {len(unjournaled) - 20} more" if len(unjournaled) > 20 else "")
+        line += f" (stopped at once: tool calls {ids} were still running and may run again on resume)"
     err.print(line, highlight=False, soft_wrap=True)
+    if unjournaled:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)  # asked twice: the calls' threads are not waited for
     return 130
 
 
@@ -329,8 +342,14 @@ def _resumable(args) -> tuple[list[Variant], Path, dict]:
             done[mode] = _read_report(where, mode, report.SCHEMA,
                                       numbers=("throughput/trained_samples_per_s", "throughput/trained_tokens_per_s"))
         else:
-            (load_ray_run if sc.runtime == "ray" else load_run)(run_dir, sc, mode)
+            if sc.runtime == "ray":
+                point = load_ray_run(run_dir, sc, mode)
+                at, state = (point.path / ROLLOUT_FILE, load_rollout_side(point.path).state) if point is not None else (where, None)
+            else:
+                got = load_run(run_dir, sc, mode)
+                at, state = (got[0] / STATE_FILE, got[1].state) if got is not None else (where, None)
             _check_appended(where, ("queue.journal",))
+            tool_journal.check(where / tool_journal.NAME, *tool_journal_mark(state, str(at)))
     return [Variant(None, sc)], run_dir, done
 
 

@@ -63,3 +63,41 @@ def calculator_counting_calls(expression: str, call_id: str) -> str:
     with open(os.environ["ASYNCRL_TEST_CALL_LOG"], "a") as f:
         f.write(f"{call_id} {os.getpid()} {time.time():.3f}\n")  # which process, when: for a failure's message
     return calculate(expression)
+
+
+def calculator_counting_slowly(expression: str, call_id: str) -> str:
+    """``calculator_counting_calls`` that takes 1.5 s after it logs the call: a Ctrl-C that
+    follows a new line of the log lands while that call runs."""
+    answer = calculator_counting_calls(expression, call_id)
+    time.sleep(1.5)
+    return answer
+
+
+class _Text(str):
+    """A ``str`` whose methods a tool's library broke: its length and its text raise."""
+
+    def __len__(self):
+        raise RuntimeError("len of a broken str")
+
+    def __str__(self):
+        raise RuntimeError("str of a broken str")
+
+
+class _Pretends:
+    __class__ = str  # isinstance(x, str) says yes; nothing of a str is there
+
+
+def subprocess_bytes() -> str:
+    return b"ok \xff\xfe end".decode("utf-8", "surrogateescape")  # what a subprocess's raw output decodes to
+
+
+def broken_str() -> str:
+    return _Text("copied")
+
+
+def pretends_to_be_text() -> str:
+    return _Pretends()
+
+
+def raises_with_a_surrogate() -> str:
+    raise ValueError("bad byte \udcff here")

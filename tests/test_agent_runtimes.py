@@ -154,3 +154,69 @@ def test_ray_makes_no_call_twice_across_a_worker_kill_and_a_resume(ray_session, 
     system = run_mode(sc, mode, run_dir=tmp_path, resume=True)
     assert_each_call_made_once(call_log, system)
     assert any(f.kind == "kill" for f in system.faults.records)
+
+
+# -- Ctrl-C on an agent run, then --resume: each call id executed once -----------------------------
+SLOW = '[{name: calculator, fn: "tests.agent_tools_user:calculator_counting_slowly", timeout_s: 5}]'
+
+
+def _interrupted_agent_run(model_dir, run, call_log, mode: str, presses: int):
+    """``python -m harness.run`` of the arithmetic agent in a process group of its own; Ctrl-C to
+    the group (``presses`` times, 0.3 s apart) as soon as a call starts after the first
+    checkpoint: the call (1.5 s) is under way. Returns (the process, seconds from the last press
+    to its exit)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    sets = ["trainer.steps=6", "trainer.batch_size=16", "checkpoint.every=1", f"modes=[{mode}]", f"tools={SLOW}",
+            f"tiny_model.path={model_dir}"]
+    argv = [sys.executable, "-m", "harness.run", "scenarios/real-cpu-agent.yaml", "--out", str(run), "--no-plots",
+            *[a for s in sets for a in ("--set", s)]]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 300
+        while not list(run.glob(f"{mode}/checkpoints/step-*")) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        seen = len(call_log.read_text().splitlines())
+        while len(call_log.read_text().splitlines()) <= seen and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proc.poll() is None, f"the run ended before it was interrupted: {proc.communicate()}"
+        for i in range(presses):
+            if i:
+                time.sleep(0.3)
+            os.killpg(proc.pid, signal.SIGINT)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    return proc.returncode, err, took
+
+
+@pytest.mark.parametrize("mode", ["sync", "partial"])
+def test_ctrl_c_waits_for_the_calls_under_way_and_the_resume_makes_none_twice(arithmetic_model_dir, call_log, tmp_path, mode):
+    """The first Ctrl-C stops admitting, lets the calls under way finish and journals them: one
+    line, exit 130, and --resume makes no call a second time."""
+    from harness.run import main
+
+    run = tmp_path / "run"
+    code, err, _ = _interrupted_agent_run(arithmetic_model_dir, run, call_log, mode, presses=1)
+    assert code == 130, err[-3000:]
+    assert err == f"interrupted; its checkpoints are kept in {run}. Go on with: python -m harness.run --resume {run}\n", err[-3000:]
+    assert main(["--resume", str(run), "--no-plots"]) == 0
+    made = executions(call_log)
+    twice = {cid: n for cid, n in made.items() if n > 1}
+    assert made and not twice, f"calls executed more than once across Ctrl-C and --resume: {twice}"
+
+
+def test_a_second_ctrl_c_exits_at_once_and_names_the_calls_left_running(arithmetic_model_dir, call_log, tmp_path):
+    code, err, took = _interrupted_agent_run(arithmetic_model_dir, tmp_path / "run", call_log, "partial", presses=2)
+    assert code == 130 and err.count("\n") == 1, err[-3000:]
+    assert "stopped at once: tool calls " in err and "may run again on resume" in err, err
+    assert took < 3, f"{took:.1f} s after the second Ctrl-C"  # not waiting for the calls queued behind it

@@ -113,6 +113,9 @@ class EpisodeLoop(AgentLoop):
     async def settle(self) -> None:
         pass
 
+    def under_way(self) -> list[str]:
+        return []
+
     def _end(self, s: Sample, reason: str) -> None:
         s.finished = True
         self.ended[reason] += 1
@@ -226,6 +229,9 @@ class ToolLoop(EpisodeLoop):
 
     async def settle(self) -> None:
         await self.box.settle()
+
+    def under_way(self) -> list[str]:
+        return self.box.under_way()
 
     def forget(self, groups: Sequence[Group]) -> None:
         self.box.forget({s.uid for g in groups for s in g.samples})

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from core.api import Interrupted
 from core.model.result import RunResult
 from core.model.run_plan import RunPlan
 from core.model.timeline import Timeline
@@ -74,7 +77,10 @@ def run_local(
     """Run one mode in this process on the real clock, with real engines and trainer.
     ``run_dir`` keeps checkpoints; ``resume`` starts from the latest one there."""
 
-    async def main() -> RunResult:
+    presses: list[float] = []  # Ctrl-C, once set-up is done
+    unjournaled: list[str] = []
+
+    async def main() -> Optional[RunResult]:
         loop = asyncio.get_running_loop()
         timeline = Timeline()
         workers = local_workers(plan, timeline, run_dir)
@@ -87,7 +93,16 @@ def run_local(
         point = restore_latest(run.system) if resume else None
         watch = loop.create_task(_watch_versions(workers.transfer, evals))
         try:
-            end_s = await drive(run, point)
+            with _ctrl_c_stops(asyncio.current_task(), presses):
+                end_s = await drive(run, point)
+        except asyncio.CancelledError:
+            if not presses:
+                raise
+            # Ctrl-C: drive stopped rollout, and the rollouter waited for the tool calls under
+            # way and journaled them, unless a second Ctrl-C cut that wait short.
+            if workers.agent is not None:
+                unjournaled.extend(workers.agent.under_way())
+            return None
         finally:
             watch.cancel()
         await evals.finish_local()
@@ -99,10 +114,53 @@ def run_local(
         asyncio.set_event_loop(loop)
         result = loop.run_until_complete(main())
     finally:
-        asyncio.set_event_loop(None)
-        loop.close()
+        _close(loop, wait=len(presses) < 2)
+    if result is None:
+        raise Interrupted(unjournaled if len(presses) > 1 else ())
     result.wall_s = time.perf_counter() - t0
     return result
+
+
+class _ctrl_c_stops:
+    """While the run goes (set-up done), Ctrl-C cancels ``task``: the run stops as at its end,
+    without a KeyboardInterrupt raised wherever the loop happened to be. Each press is appended
+    to ``presses``; a second cancels the first's wait. Only in the main thread, and only where
+    Ctrl-C is Python's (a SIGINT the shell ignores stays ignored)."""
+
+    def __init__(self, task: asyncio.Task, presses: list[float]) -> None:
+        self.task, self.presses = task, presses
+        self.on = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    def __enter__(self) -> list[float]:
+        if self.on:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGINT, self._pressed)
+        return self.presses
+
+    def _pressed(self) -> None:
+        self.presses.append(time.monotonic())
+        self.task.cancel()
+
+    def __exit__(self, *exc) -> None:
+        if self.on:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)  # back to KeyboardInterrupt
+
+
+def _close(loop: asyncio.AbstractEventLoop, wait: bool) -> None:
+    """Close ``loop`` as ``asyncio.run`` does: every task still there cancelled and finished first,
+    so that none is collected later against a closed loop (each would print "Event loop is
+    closed"). ``wait``: also for the executor's threads (tool calls past their timeout)."""
+    try:
+        tasks = asyncio.all_tasks(loop)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        if wait:
+            loop.run_until_complete(loop.shutdown_default_executor())
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
 
 
 async def _watch_versions(transfer: LocalWeightTransfer, evals: Evaluations) -> None:

@@ -246,7 +246,7 @@ class _Watch:
             await self._poll_until_trained()
         except BaseException as exc:
             lost = isinstance(exc, self.died) and await self._rollout_lost()  # a call into it from here
-            if isinstance(exc, RunStopped):
+            if isinstance(exc, (RunStopped, asyncio.CancelledError)):  # stopped, or Ctrl-C (asyncio.run cancels this)
                 await self._halt_rollout()
             for task in (rolling, training):
                 task.cancel()
@@ -258,9 +258,9 @@ class _Watch:
             raise
 
     async def _halt_rollout(self) -> None:
-        """A stopped run's rollout stops as a run's end does (tool calls under way are waited for
-        and journaled: the resumed run does not make them again); the rest is left as a crash
-        leaves it."""
+        """A stopped or interrupted run's rollout stops as a run's end does (tool calls under way
+        are waited for and journaled: the resumed run does not make them again); the rest is left
+        as a crash leaves it."""
         try:
             await asyncio.wait_for(_await(self.rollout.halt.remote()), self.sc.timeouts.control_s)
         except Exception as exc:  # a rollout that cannot stop is torn down as it is
