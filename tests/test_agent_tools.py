@@ -273,3 +273,22 @@ def test_a_recorded_call_is_never_made_again_even_after_a_restore():
     assert user.COUNTED == {"a": 1, "b": 1}
     _run(restored, _call("count", key="a"), episode=3, turn=2)  # another turn: another call
     assert user.COUNTED == {"a": 2, "b": 1}
+
+
+def test_whatever_a_tool_returns_becomes_text_or_an_error_and_never_ends_the_run():
+    """A lone surrogate (a subprocess's bytes under surrogateescape) is replaced, a ``str``
+    subclass is copied to a ``str`` whatever its methods do, and a value that only claims to be
+    text is an error observation: every answer then encodes to UTF-8, as a tokenizer must."""
+    from tests import agent_tools_user as user
+
+    box = _box(Tool("bytes", user.subprocess_bytes, 5.0), Tool("broken", user.broken_str, 5.0),
+               Tool("pretends", user.pretends_to_be_text, 5.0), Tool("raises", user.raises_with_a_surrogate, 5.0))
+    results = _run(box, _call("bytes") + _call("broken") + _call("pretends") + _call("raises"))
+    assert [r.error for r in results] == [None, None, "not_text", "raised"]
+    assert results[0].content == "ok \ufffd\ufffd end"
+    assert type(results[1].content) is str and results[1].content == "copied"
+    assert results[2].content == "error: returned _Pretends, not text"
+    assert results[3].content == "error: ValueError: bad byte \ufffd here"
+    for r in results:
+        r.content.encode("utf-8")  # strict: no surrogate is left
+    box.close()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import re
 import threading
 import time
 from collections import Counter
@@ -33,13 +34,12 @@ from core.store.tool_journal import ToolJournal
 
 MAX_OUTPUT_CHARS = 4096
 CALL_ID = "call_id"  # the parameter through which a tool is given the call's id, never the model
-ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout", "not_text", "too_long")
 
 
 @dataclass(frozen=True)
 class ToolResult:
     """What one call returned: ``content`` is what the model reads; ``error`` the kind of failure
-    (one of ``ERROR_KINDS``) or None."""
+    (one of ``core.store.tool_journal.ERROR_KINDS``) or None."""
 
     id: str
     name: str
@@ -112,10 +112,16 @@ class ToolBox:
             if c.id not in self.record and c.id not in self._running:
                 self._running[c.id] = asyncio.ensure_future(self._made(c))
 
+    def under_way(self) -> list[str]:
+        """The ids of the calls running now: not yet recorded."""
+        return sorted(self._running)
+
     async def settle(self) -> None:
         """Wait for every call under way to be recorded."""
         while self._running:
-            await asyncio.gather(*list(self._running.values()), return_exceptions=True)
+            # wait, not gather: a waiter cancelled (a second Ctrl-C) leaves the calls running
+            # and under way, not cancelled and forgotten.
+            await asyncio.wait(list(self._running.values()))
 
     async def _one(self, call: Parsed) -> ToolResult:
         self.counts["calls"] += 1
@@ -173,8 +179,10 @@ class ToolBox:
             if exc.timed_out:
                 return _error(call.id, call.name, "timeout", f"no answer within {tool.timeout_s:g} s")
             return _error(call.id, call.name, "raised", exc.did.removeprefix("raised "))
-        if not isinstance(value, str):
-            return _error(call.id, call.name, "not_text", f"returned {type(value).__name__}, not text")
+        text = _as_text(value)
+        if text is None:
+            return _error(call.id, call.name, "not_text", f"returned {_type_name(value)}, not text")
+        value = text
         if len(value) > self.max_output_chars:
             return _error(call.id, call.name, "too_long", f"returned {len(value)} characters, more than {self.max_output_chars}")
         return ToolResult(call.id, call.name, value)
@@ -216,7 +224,8 @@ class ToolBox:
     def state(self) -> dict:
         """The record and the counts, for a checkpoint; and how far the journal had got."""
         return {"record": [asdict(r) for r in self.record.values()], "counts": dict(self.counts), "seconds": self.seconds,
-                "journal_records": self.journal.records if self.journal is not None else 0}
+                "journal_records": self.journal.records if self.journal is not None else 0,
+                "journal_digest": self.journal.digest if self.journal is not None else None}
 
     def restore(self, state: dict) -> None:
         """The checkpoint's record, and every result the journal holds from after it: the run
@@ -240,7 +249,29 @@ async def _raising_as_itself(tool: Tool, args: dict) -> Any:
 
 
 def _error(cid: str, name: str, kind: str, reason: str) -> ToolResult:
-    return ToolResult(cid, name, f"error: {reason}", kind)
+    return ToolResult(cid, name, f"error: {_SURROGATE.sub(chr(0xFFFD), reason)}", kind)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _as_text(value: Any) -> Optional[str]:
+    """What a tool returned as plain text the tokenizer takes: a ``str`` subclass copied to a
+    ``str`` (whatever its methods do), each lone surrogate (``surrogateescape``'s bytes of a
+    subprocess's output) replaced by U+FFFD; None for anything else."""
+    try:
+        if not isinstance(value, str):
+            return None
+        return _SURROGATE.sub("\ufffd", str.__str__(value))
+    except Exception:  # a value that only claims to be a str (its __class__)
+        return None
+
+
+def _type_name(value: Any) -> str:
+    try:
+        return str(type(value).__name__)[:60]
+    except Exception:
+        return "an object"
 
 
 def build_tools(specs: tuple[ToolSpec, ...] | list[ToolSpec]) -> list[Tool]:
