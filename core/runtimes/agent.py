@@ -15,10 +15,8 @@ from core.api import AgentLoop
 from core.model.run_plan import RunPlan
 from core.pipeline.wiring import durable
 from core.real.task import Task
+from core.store.tool_journal import NAME as JOURNAL
 from core.store.tool_journal import ToolJournal
-
-
-JOURNAL = "tools.journal"
 
 
 class NoCallToken(ValueError):

@@ -216,6 +216,25 @@ def check_contents(snap: Snapshot, sc: Scenario, mode: str) -> None:
             raise _Unfit(f"faults.records.{i} is not a fault record ({', '.join(sorted(_FAULT_RECORD))})")
 
 
+def tool_journal_mark(state: Optional[dict], where: str) -> tuple[int, Optional[str]]:
+    """How many results the tool journal held when the checkpoint ``state`` (a run's, or a ray
+    run's rollout side) was taken, and their digest: what ``core.store.tool_journal.check``
+    holds the journal to. (0, None) for no checkpoint, or one of a run without tools."""
+    box = (((state or {}).get("rollouter") or {}).get("agent") or {}).get("box") if isinstance(state, dict) else None
+    if not box:
+        return 0, None
+    try:
+        if not isinstance(box, dict):
+            raise _Unfit("rollouter.agent.box is not a mapping")
+        records = _count(box.get("journal_records", 0), "rollouter.agent.box.journal_records")
+        digest = box.get("journal_digest")
+        if digest is not None and not (isinstance(digest, str) and len(digest) == 32):
+            raise _Unfit(f"rollouter.agent.box.journal_digest = {shown(digest)} is not a digest")
+    except _Unfit as exc:
+        raise CheckpointError(where, f"does not fit this run: {exc}", CORRUPT_FIX) from None
+    return records, digest
+
+
 def load_run(run_dir: Path, sc: Scenario, mode: str) -> Optional[tuple[Path, Snapshot]]:
     """The latest checkpoint of ``mode`` in ``run_dir``, checked against ``sc`` and checked to
     fit it (``check_contents``); None if none."""
