@@ -3,6 +3,8 @@ virtual clock, KV held or released while tools run, the report's tool figures, a
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
@@ -187,3 +189,23 @@ def test_idle_on_tools_is_tool_time_no_busy_span_covers():
         inside = lambda sp: np.any([(grid >= a) & (grid < c) for a, c in sp], axis=0)
         want = np.sum(inside(t) & ~inside(b)) * 1e-4
         assert _uncovered(t, b) == pytest.approx(want, abs=2e-3)
+
+
+@pytest.mark.parametrize("mode", ["sync", "partial"])
+def test_a_tool_delay_of_a_billion_seconds_is_simulated_time_not_a_hang(agent_tools, mode):
+    """The largest delay the config accepts: the run ends, in simulated time. Past ~4.5e6 s one
+    ulp of the clock exceeds its resolution, where the loop once spun on a timer never due."""
+    sc = with_changes(agent_tools, {"trainer.steps": 3, "agent.tool_delay_s": {"median": 1e9}})
+    m = collect(run_mode(sc, mode))
+    assert m["samples/trained"] == 3 * sc.trainer.batch_size
+    assert m["agent/tool_s"] == pytest.approx(1e9 * m["agent/tool_calls"], rel=1e-6)
+
+
+def test_a_timer_past_the_clocks_resolution_comes_due():
+    async def late() -> float:
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(3e9)
+        await asyncio.sleep(1e-3)  # below one ulp of the clock at 3e9 s
+        return loop.time()
+
+    assert virtual_clock.run(late()) == pytest.approx(3e9, rel=1e-12)

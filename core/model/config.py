@@ -60,6 +60,7 @@ MAX_BYTES = 1_000_000_000_000
 MAX_GB = 1_000_000
 """Gigabytes of memory one thing reserves (a petabyte)."""
 MAX_SEEDS = 1_000
+MAX_TOOLS = 64  # a prompt that lists more than this many tools is not one a model reads well
 """Seeds of one run (each runs every mode once)."""
 MAX_INT = 2**53
 """Any whole number: the largest a JSON report carries exactly (a float64's mantissa)."""
@@ -1316,8 +1317,16 @@ class Scenario(_Frozen):
     """Reward computation (real runtimes)."""
     agent: Optional[AgentSpec] = None
     """Agent episodes with tool calls (real runtimes); None: one completion per sample, unless ``tools`` are given."""
-    tools: tuple[ToolSpec, ...] = Field((), max_length=64)
+    tools: tuple[ToolSpec, ...] = Field((), max_length=MAX_TOOLS)
     """The tools an agent calls; given, the Rollouter runs agent episodes (``agent``'s limits, its defaults if unset)."""
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _few_enough_tools(cls, value: object) -> object:
+        """The count first: each tool imports a module or reads a table when it is checked."""
+        if isinstance(value, (list, tuple)) and len(value) > MAX_TOOLS:
+            raise refused(f"{len(value)} tools, more than {MAX_TOOLS}", f"give at most {MAX_TOOLS} tools")
+        return value
     # Operations: faults, timeouts, restarts and checkpoints.
     faults: tuple[FaultSpec, ...] = ()
     """Faults to inject (sim and ray runtimes)."""

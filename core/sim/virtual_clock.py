@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import math
 import itertools
 import selectors
 from asyncio import events
-from asyncio.base_events import MAXIMUM_SELECT_TIMEOUT
 from typing import Any, Callable, Coroutine, Mapping, TypeVar
 
 from core.api import ReservingClock
@@ -193,13 +193,18 @@ class VirtualClockLoop(asyncio.SelectorEventLoop, ReservingClock):
             if ready or self._stopping:
                 pass
             elif timers:
-                # min(max(0, dt), MAXIMUM_SELECT_TIMEOUT) added when positive, without the calls
+                # Straight to the next timer: asyncio caps a select at a day, which on a virtual
+                # clock is only a day's step at a time (a 1e9 s tool delay: 11,574 steps).
                 timeout = timers[0][0] - sel.now
                 if timeout > 0:
-                    sel.now += timeout if timeout <= MAXIMUM_SELECT_TIMEOUT else MAXIMUM_SELECT_TIMEOUT
+                    sel.now += timeout
             else:
                 sel.select(None)  # raises SimulationStalled
             end_time = sel.now + resolution
+            if end_time == sel.now and timers and timers[0][0] - sel.now < resolution:
+                # Past ~4.5e6 s one ulp of the clock is more than its resolution: the timer it
+                # stepped to would never come due, and the loop would spin.
+                end_time = math.nextafter(timers[0][0], math.inf)
             if not ready and timers and timers[0][0] < end_time:
                 timer = heappop(timers)[2]  # live: cancelled ones were cleared off the top
                 timer._scheduled = False
