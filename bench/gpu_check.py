@@ -40,6 +40,11 @@ import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 
+import harness
+
+if __name__ == "__main__":
+    harness.starting()  # until Check.run: Ctrl-C is one line, with nothing built yet
+
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = ROOT / "scenarios" / "real-cpu-torch.yaml"
 JSON_FILE = "gpu_check.json"
@@ -357,6 +362,7 @@ class Check:
         logging.basicConfig(level=logging.WARNING, handlers=[RichHandler(console=err, show_path=False)], format="%(message)s")
         self.record = record = {"schema": SCHEMA, "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                                 "smoke": self.smoke, "command": ["python", "-m", "bench.gpu_check", *sys.argv[1:]]}
+        harness.started()
         watchdog = None
         if self.args.deadline_s:
             watchdog = threading.Timer(self.args.deadline_s, self._deadline)
@@ -378,6 +384,10 @@ class Check:
             if watchdog is not None:
                 watchdog.cancel()
             return self._refuse(str(exc))
+        except KeyboardInterrupt:
+            if watchdog is not None:
+                watchdog.cancel()
+            return self._discard("interrupted; nothing was kept", 130)
         except Exception as exc:
             self.failures.append(f"{type(exc).__name__}: {exc}")
             record["error"] = traceback.format_exc(limit=20)
@@ -388,6 +398,10 @@ class Check:
 
     def _refuse(self, line: str) -> int:
         """Bad input found once the check had begun: one line, exit 2, and nothing left written."""
+        return self._discard(line, 2)
+
+    def _discard(self, line: str, code: int) -> int:
+        """Everything the check wrote removed, one line, and exit ``code``."""
         from core.model.owned import discard_owned
 
         self._remove_model()
@@ -397,7 +411,7 @@ class Check:
             for name in WRITTEN:
                 (self.out / name).unlink(missing_ok=True)
         print(f"gpu_check: {line}", file=sys.stderr)
-        return 2
+        return code
 
     def _deadline(self) -> None:
         """The run took longer than --deadline-s: what it has so far, every thread's stack, exit 1,

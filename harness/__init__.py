@@ -6,16 +6,22 @@ import sys
 
 
 def _interrupted_while_starting(signum, frame) -> None:
-    sys.stderr.write("interrupted while starting; nothing was run\n")
+    os.write(2, b"interrupted while starting; nothing was run\n")  # not through sys.stderr, which a library may have replaced
     os._exit(130)
 
 
-# ``python -m harness.X`` imports this package first, while sys.argv[0] is still "-m". Ctrl-C
-# while the command's imports load (torch and Ray take seconds) then ends in one line and exit
-# 130, not a traceback from inside some import; the command's main() hands Ctrl-C back to
-# Python (``started``) before it does anything. A SIGINT the shell ignores stays ignored.
-if sys.argv[:1] == ["-m"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, _interrupted_while_starting)
+def starting() -> None:
+    """Until ``started()``, Ctrl-C ends the process in one line and exit 130, not in a traceback
+    from inside whatever import was loading (torch and Ray take seconds). A SIGINT the shell
+    ignores stays ignored."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupted_while_starting)
+
+
+# ``python -m harness.X`` imports this package first, while sys.argv[0] is still "-m"; the
+# command's main() hands Ctrl-C back to Python (``started``) once it has something to clean up.
+if sys.argv[:1] == ["-m"]:
+    starting()
 
 
 def started() -> None:
@@ -26,10 +32,14 @@ def started() -> None:
 
 def command_line(main) -> int:
     """``main()`` as a command: an exception no check foresaw (a bug, a disk that fills up) ends
-    in one ``error:`` line, its traceback kept in a new file for a report, and exit code 1."""
+    in one ``error:`` line, its traceback kept in a new file for a report, and exit code 1;
+    Ctrl-C in one line and exit code 130."""
     try:
         return main()
-    except Exception as exc:  # KeyboardInterrupt and SystemExit are the command's own
+    except KeyboardInterrupt:  # a command says what Ctrl-C left where it can; this is the fallback
+        sys.stderr.write("interrupted\n")
+        return 130
+    except Exception as exc:  # SystemExit is the command's own
         sys.stderr.write(f"error: {unforeseen(exc)}\n")
         return 1
 

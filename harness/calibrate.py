@@ -421,6 +421,22 @@ def _phases(path: Path, console: Console) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     started()
+    wrote: dict[str, list[Path]] = {"new": [], "done": []}
+    try:
+        return _main(argv, wrote)
+    except KeyboardInterrupt:
+        # The pair is written together or not at all: a lengths file this call created goes
+        # with the scenario that would have named it.
+        if not wrote["done"]:
+            for path in wrote["new"]:
+                path.unlink(missing_ok=True)
+        said = f"{' and '.join(map(str, wrote['done']))} are written" if wrote["done"] else "nothing was written"
+        sys.stderr.write(f"interrupted; {said}\n")
+        return 130
+
+
+def _main(argv: list[str] | None, wrote: dict[str, list[Path]]) -> int:
+    """``main``; ``wrote`` is told each file created ("new") and the pair once both are ("done")."""
     console = Console()
     err = Console(stderr=True)
     try:
@@ -449,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         lengths_ref = os.path.relpath(lengths_file) if not lengths_file.is_absolute() else str(lengths_file)
         source = f"{args.source} mode {args.mode}"
         lengths_file.parent.mkdir(parents=True, exist_ok=True)
+        if not lengths_file.exists():
+            wrote["new"].append(lengths_file)
         _write(lengths_file, json.dumps(cal.response_lens) + "\n", args.force)
         try:
             scenario = sim_scenario(spans, cal, lengths_ref, source, speedup)
@@ -472,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
             lengths_file.unlink(missing_ok=True)  # created by this call
         err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
+    wrote["done"] = [out, lengths_file]
     console.print(fit_table(cal))
     console.print(f"wrote {out} and {lengths_file}", highlight=False)
     if args.predict:

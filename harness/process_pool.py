@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import signal
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from typing import Any, Callable, Hashable, Iterable, Optional
 
@@ -24,7 +26,8 @@ def run_all(fn: Callable[..., dict], jobs: Iterable[tuple[Hashable, tuple]], wor
     # spawn, not fork: a forked child would inherit the parent's threads and locks (rich's refresher).
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
     try:
-        running: dict[Future, Hashable] = {pool.submit(fn, *args): key for key, args in todo}
+        with _deaf_children():  # the workers start in submit
+            running: dict[Future, Hashable] = {pool.submit(fn, *args): key for key, args in todo}
         while running:
             done, _ = wait(running, return_when=FIRST_COMPLETED)
             for fut in done:
@@ -34,7 +37,10 @@ def run_all(fn: Callable[..., dict], jobs: Iterable[tuple[Hashable, tuple]], wor
                 if on_done:
                     on_done(key)
     except BaseException:
-        pool.shutdown(wait=False, cancel_futures=True)  # Ctrl-C: do not start the jobs still queued
+        # Ctrl-C: the jobs still queued never start, and those running stop now.
+        for proc in list((getattr(pool, "_processes", None) or {}).values()):
+            proc.terminate()
+        pool.shutdown(wait=False, cancel_futures=True)
         raise
     pool.shutdown()
     return results
@@ -45,3 +51,15 @@ def _guarded(fn, *args) -> dict:
         return fn(*args)
     except Exception as exc:  # a job whose run fails is reported as failed; the others go on
         return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+@contextlib.contextmanager
+def _deaf_children():
+    """Processes started inside inherit SIGINT blocked. A terminal's Ctrl-C goes to the whole
+    process group: this process answers it in one line and stops the workers, where each would
+    print its own KeyboardInterrupt traceback (a blocked signal stays blocked across exec)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)

@@ -219,7 +219,7 @@ def error_line(exc: ValidationError, origin: dict[str, str], root: type[BaseMode
     where = next((origin[k] for k in (".".join(parts[:i]) for i in range(len(parts), 0, -1)) if k in origin), origin.get("", ""))
     extra = len(exc.errors()) - 1
     more = f" ({extra} more problem{'s' if extra > 1 else ''} after this one)" if extra else ""
-    return f"{where}: {key}{shown_value}: {problem}; fix: {fix}{more}"
+    return f"{where}: {clipped(key)}{shown_value}: {problem}; fix: {fix}{more}"
 
 
 def _set(data: dict, key: str, value: Any, where: str) -> None:

@@ -36,10 +36,10 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.markup import escape
 
-from core.model.config import ConfigError, Placement, Scenario, set_dotted, shown, with_changes
+from core.model.config import ConfigError, Placement, Scenario, clipped, set_dotted, shown, with_changes
 from core.runtimes.dispatch import run_mode
 
-from harness import report
+from harness import report, started
 from harness.console import sweep_table
 from harness.metrics import collect
 from harness.plots import grid_heatmap_png
@@ -145,7 +145,7 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> Sweep:
     if unknown:
         close = difflib.get_close_matches(unknown[0], SECTION_KEYS, n=1)
         hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(SECTION_KEYS)}"
-        raise ScenarioError(f"{at}.{unknown[0]}: unknown key; fix: remove it; {hint}")
+        raise ScenarioError(f"{at}.{clipped(unknown[0])}: unknown key; fix: remove it; {hint}")
     axes = _axes(body.get("axes"), at)
     n = math.prod(len(a.labels) for a in axes)
     if n > MAX_POINTS:
@@ -444,6 +444,7 @@ def main(args, console: Console, err: Console) -> int:
     except (ScenarioError, RunDirectoryError) as exc:
         err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
+    started()  # Ctrl-C from here on is the sweep's to answer (harness.run)
     staging = claimed.path
     runnable = sum(p.scenario is not None for p in sweep.points)
     workers = max(1, min(sweep.workers, runnable))
