@@ -2233,3 +2233,189 @@ def test_the_tiny_models_files_are_as_readable_as_the_umask_makes_new_files(tiny
     modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in tiny_model_dir.iterdir() if f.is_file()}
     assert modes["model.safetensors"] == 0o666 & ~mask
     assert set(modes.values()) == {0o666 & ~mask}
+
+
+# ==== Round four (issue 53): the tool journal, ceilings before reads, echoes, Ctrl-C ==========
+AGENT_RUN = ["trainer.steps=3", "trainer.batch_size=16", "checkpoint.every=1", "modes=[partial]",
+             'tools=[{name: calculator, fn: "tests.agent_tools_user:calculator_counting_calls", timeout_s: 5}]']
+
+
+@pytest.fixture(scope="module")
+def stopped_agent_run(tmp_path_factory, arithmetic_model_dir) -> Path:
+    """A real agent run (tools journaled) stopped after step 2: the thing every journal case
+    damages a copy of."""
+    run = tmp_path_factory.mktemp("stopped-agent") / "run"
+    log = run.parent / "calls.log"
+    os.environ["ASYNCRL_TEST_CALL_LOG"] = str(log)
+    try:
+        argv = [str(ROOT / "scenarios" / "real-cpu-agent.yaml"), "--out", str(run), "--no-plots", "--stop-at-step", "2",
+                *sets(*AGENT_RUN, f"tiny_model.path={arithmetic_model_dir}")]
+        assert main(argv) == 0
+    finally:
+        os.environ.pop("ASYNCRL_TEST_CALL_LOG")
+    assert (run / "partial" / "tools.journal").stat().st_size > 0
+    return run
+
+
+def _journal_records(path: Path) -> list[bytes]:
+    data, at, out = path.read_bytes(), 0, []
+    while at + 8 <= len(data):
+        (n,) = struct.unpack_from("<Q", data, at)
+        out.append(data[at + 8 : at + 8 + n])
+        at += 8 + n
+    return out
+
+
+def _framed(bodies: list[bytes]) -> bytes:
+    return b"".join(struct.pack("<Q", len(b)) + b for b in bodies)
+
+
+def _edit_first(path: Path, edit) -> None:
+    recs = _journal_records(path)
+    rec = json.loads(recs[0])
+    edit(rec)
+    path.write_bytes(_framed([json.dumps(rec).encode(), *recs[1:]]))
+
+
+def _symlink_to_users_file(journal: Path) -> None:
+    users = journal.parent.parent.parent / "users-notes.txt"
+    users.write_text("mine\n")
+    journal.unlink()
+    journal.symlink_to(users)
+
+
+def _sparse(journal: Path) -> None:
+    journal.unlink()
+    with open(journal, "wb") as f:
+        f.truncate(1 << 30)  # 1 GB of zeros, none of it on disk
+
+
+JOURNAL_CASES = [
+    # (id, the damage, fragments)
+    ("symlink", _symlink_to_users_file, ["tools.journal", "a symbolic link", "fix:"]),
+    ("fifo", lambda j: (j.unlink(), os.mkfifo(j)), ["tools.journal", "not a regular file", "fix:"]),
+    ("directory", lambda j: (j.unlink(), j.mkdir()), ["tools.journal", "not a regular file", "fix:"]),
+    ("not_json", lambda j: j.write_bytes(_framed([b"{not json", *_journal_records(j)[1:]])), ["tool result unreadable", "not JSON", "fix:"]),
+    ("extra_field", lambda j: _edit_first(j, lambda r: r.update(extra=1)), ["tool result unreadable", "fields", "fix:"]),
+    ("wrong_kind", lambda j: _edit_first(j, lambda r: r.update(kind="asyncrl.other/1")), ["tool result unreadable", "kind", "fix:"]),
+    ("bad_call_id", lambda j: _edit_first(j, lambda r: r.update(id="../../etc")), ["tool result unreadable", "call id", "fix:"]),
+    ("sparse_1gb", _sparse, ["tool result unreadable", "fix:"]),
+    ("deleted", lambda j: j.unlink(), ["tools.journal", "is missing", "fix:"]),
+    ("cut_short", lambda j: j.write_bytes(_framed(_journal_records(j)[:1])), ["tools.journal", "fewer than the", "fix:"]),
+    ("rewritten", lambda j: _edit_first(j, lambda r: r.update(content=r["content"] + " (edited)")), ["rewritten", "fix:"]),
+]
+
+
+@pytest.mark.parametrize("damage,fragments", [c[1:] for c in JOURNAL_CASES], ids=[c[0] for c in JOURNAL_CASES])
+def test_a_resume_checks_the_tool_journal_before_anything_runs(stopped_agent_run, tmp_path, capsys, damage, fragments):
+    run = tmp_path / "run"
+    shutil.copytree(stopped_agent_run, run, symlinks=True)
+    damage(run / "partial" / "tools.journal")
+    before = tree(tmp_path)
+    _refused_fast(["--resume", str(run)], capsys, fragments)
+    assert tree(tmp_path) == before
+
+
+def test_the_journal_is_never_appended_through_a_link(tmp_path):
+    """Opened without following links: a link put in its place is refused, its target unchanged."""
+    from core.store.tool_journal import ToolJournal
+
+    target = tmp_path / "users.txt"
+    target.write_text("mine\n")
+    (tmp_path / "tools.journal").symlink_to(target)
+    with pytest.raises(OSError):
+        ToolJournal(tmp_path / "tools.journal")
+    assert target.read_text() == "mine\n"
+
+
+def test_the_tool_count_is_checked_before_any_table_is_read(tmp_path, capsys):
+    """Checked the other way round, the 64 tables the limit lets through (20 MB each) are read first."""
+    table = tmp_path / "big.jsonl"
+    table.write_text("".join(json.dumps({"key": f"k{i}", "value": "v" * 80}) + "\n" for i in range(200_000)))
+    path = tmp_path / "many.yaml"
+    path.write_text("name: many\nruntime: local\ntools:\n" + f"  - {{name: lookup, data: {table}}}\n" * 1_000)
+    before = tree(tmp_path)
+    _refused_fast([str(path), "--out", str(tmp_path / "out")], capsys, ["tools", "1000 tools, more than 64", "fix:"])
+    assert tree(tmp_path) == before
+
+
+def test_an_unknown_key_of_ten_thousand_characters_is_echoed_cut(tmp_path, capsys):
+    key = "k" * 10_000
+    _refused_fast([QUICK, "--out", str(tmp_path / "out"), "--set", f"trainer.{key}=1"], capsys, ["unknown key", "fix:", "..."])
+
+
+def _ctrl_c_group(argv: list[str], ready, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m argv`` in a process group of its own, as a terminal starts it; SIGINT to the
+    whole group (as Ctrl-C sends it) once ``ready()``, polled."""
+    proc = subprocess.Popen([sys.executable, "-m", *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proc.poll() is None, f"it ended before it was interrupted: {proc.communicate()}"
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_ctrl_c_of_a_sweep_is_one_line_from_the_sweep_and_none_from_its_workers(tmp_path):
+    out = tmp_path / "sweep"
+    started = time.monotonic()
+    proc = _ctrl_c_group(["harness.run", str(ROOT / "scenarios" / "sweep-split-staleness.yaml"), "--out", str(out), "--no-plots"],
+                         lambda: time.monotonic() - started > 4 and out.exists())
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr == "interrupted; nothing was kept (the partial run directory was removed)\n", proc.stderr[-3000:]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("module", ["tensorboardX", "torch"])
+def test_ctrl_c_during_a_lazy_import_before_the_run_is_one_line(tmp_path, module):
+    """The start-up guard holds until the run directory is claimed: the loggers' check imports
+    tensorboardX (and it torch) after the harness's own imports are done."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "harness.run", QUICK, "--out", str(out)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        seen = False
+        for line in proc.stderr:
+            name = line.rsplit("|", 1)[-1].strip()
+            seen = seen or name == "harness.trace"  # harness.run's last import: main() runs
+            if seen and name.split(".")[0] == module:
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    told = [x for x in err.splitlines() if not x.startswith("import time:")]
+    assert proc.returncode == 130 and told == ["interrupted while starting; nothing was run"], err[-2000:]
+    assert not out.exists()
+
+
+def test_ctrl_c_of_gpu_check_removes_its_half_made_output(tmp_path):
+    out = tmp_path / "check"
+    proc = _ctrl_c_group(["bench.gpu_check", "--cpu-smoke", "--out", str(out)], lambda: (out / "model").exists())
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr == "gpu_check: interrupted; nothing was kept\n", proc.stderr[-3000:]
+    assert not out.exists()
+
+
+def test_ctrl_c_of_calibrate_writes_neither_file(tmp_path, monkeypatch, capsys):
+    from harness import calibrate
+
+    run = _spans_run(tmp_path / "w", _good_spans())
+    before = tree(tmp_path / "w")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(calibrate, "sim_scenario", interrupted)  # after the lengths file is written
+    assert calibrate.main([str(run)]) == 130
+    assert capsys.readouterr().err == "interrupted; nothing was written\n"
+    assert tree(tmp_path / "w") == before
