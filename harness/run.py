@@ -17,6 +17,7 @@ instead (harness/sweep.py, docs/sweeps.md).
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import logging
 import os
@@ -192,8 +193,7 @@ def _interrupted(kept: Path | None, err: Console, unjournaled: tuple[str, ...] =
     """Ctrl-C: one line on what the run left in ``kept`` (None: nothing), instead of the traceback
     of wherever it was, and exit code 130 (128 + SIGINT). A run written in place with checkpoints
     is resumable; any other was removed, and a finished run it would have replaced is as it was.
-    ``unjournaled``: a second Ctrl-C cut short the wait for these tool calls; the process exits
-    now, without waiting for their threads."""
+    ``unjournaled``: a second Ctrl-C cut short the wait for these tool calls, which the line names."""
     # The run's asyncio tasks die with it; collected, each would be logged with a traceback as
     # an exception never retrieved.
     logging.getLogger("asyncio").setLevel(logging.CRITICAL + 1)
@@ -210,11 +210,7 @@ def _interrupted(kept: Path | None, err: Console, unjournaled: tuple[str, ...] =
         ids = ", ".join(unjournaled[:20]) + (f" and {len(unjournaled) - 20} more" if len(unjournaled) > 20 else "")
         line += f" (stopped at once: tool calls {ids} were still running and may run again on resume)"
     err.print(line, highlight=False, soft_wrap=True)
-    if unjournaled:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(130)  # asked twice: the calls' threads are not waited for
-    return 130
+    return 130  # the command ends without waiting for threads (harness/run.py's __main__)
 
 
 def _run_variants(variants: list[Variant], path: Path, console: Console, args, done: dict) -> tuple[dict, dict]:
@@ -492,4 +488,13 @@ def _run_modes(
 
 
 if __name__ == "__main__":
-    sys.exit(command_line(main))
+    code = command_line(main)
+    if code == 130:
+        # Interrupted, and what the run leaves is settled and said: the process ends here,
+        # without the interpreter's teardown, where Ray's threads, interrupted mid-call, crashed
+        # it now and then (SIGSEGV after the line) and pool threads could still hold it.
+        atexit._run_exitfuncs()  # what registered itself to run at exit still does (Ray's node cleanup)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

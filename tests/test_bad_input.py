@@ -2419,3 +2419,15 @@ def test_ctrl_c_of_calibrate_writes_neither_file(tmp_path, monkeypatch, capsys):
     assert calibrate.main([str(run)]) == 130
     assert capsys.readouterr().err == "interrupted; nothing was written\n"
     assert tree(tmp_path / "w") == before
+
+
+def test_ctrl_c_while_the_local_runtime_builds_the_tiny_model_is_one_line(tmp_path):
+    """Mid-set-up of the local runtime (the tiny model half built, its loop not yet answering
+    Ctrl-C): one line, and the run directory removed."""
+    out, model = tmp_path / "out", tmp_path / "tiny"
+    argv = ["harness.run", str(ROOT / "scenarios" / "real-cpu-torch.yaml"), "--out", str(out), "--no-plots",
+            *sets("trainer.steps=2", "modes=[sync]", f"tiny_model.path={model}")]
+    proc = _ctrl_c_group(argv, lambda: model.is_dir())
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert proc.stderr == "interrupted; nothing was kept (the partial run directory was removed)\n", proc.stderr[-3000:]
+    assert not out.exists()

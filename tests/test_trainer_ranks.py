@@ -219,7 +219,9 @@ def test_two_lora_ranks_ddp_or_fsdp2_make_the_adapter_update_of_one(tiny_model_d
         for n in wa:
             np.testing.assert_array_equal(wa[n], wb[n], err_msg=f"{sharding}: ranks differ on {n}")
         assert abs(loss_a - loss1) <= LOSS_ATOL, (sharding, loss_a, loss1)
-        assert max(float(np.abs(wa[n] - w1[n]).max()) for n in w1) <= 10 * WEIGHT_ATOL, sharding  # lr 10x the others'
+        # lr 10x the others', and an adapter's few weights near g = 0 magnify rounding more:
+        # measured 2.1e-4 (lr / 48) on a CPU without AVX-512, so lr / 20; a wrong update is off by ~lr.
+        assert max(float(np.abs(wa[n] - w1[n]).max()) for n in w1) <= 25 * WEIGHT_ATOL, sharding
 
 
 def _one_sharded_rank(model_dir, spec: LearnSpec) -> TorchTrainBackend:

@@ -93,7 +93,7 @@ def run_local(
         point = restore_latest(run.system) if resume else None
         watch = loop.create_task(_watch_versions(workers.transfer, evals))
         try:
-            with _ctrl_c_stops(asyncio.current_task(), presses):
+            with _StopOnCtrlC(asyncio.current_task(), presses):
                 end_s = await drive(run, point)
         except asyncio.CancelledError:
             if not presses:
@@ -121,7 +121,7 @@ def run_local(
     return result
 
 
-class _ctrl_c_stops:
+class _StopOnCtrlC:
     """While the run goes (set-up done), Ctrl-C cancels ``task``: the run stops as at its end,
     without a KeyboardInterrupt raised wherever the loop happened to be. Each press is appended
     to ``presses``; a second cancels the first's wait. Only in the main thread, and only where

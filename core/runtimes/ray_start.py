@@ -5,6 +5,7 @@ benchmarks and the test session start Ray through these; a run started inside on
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from pathlib import Path
 from typing import Optional
@@ -32,17 +33,26 @@ def start_cluster(address: Optional[str], num_cpus: Optional[int]) -> bool:
     if ray.is_initialized():
         return False
     env = {"env_vars": dict(ENV_VARS)}
+    try:
+        _init(ray, address, num_cpus, env)
+    except BaseException:  # Ctrl-C while Ray starts: what it started so far goes with it
+        ray.shutdown()
+        raise
+    return True
+
+
+def _init(ray, address: Optional[str], num_cpus: Optional[int], env: dict) -> None:
     if address:
         # Joining a cluster: its other nodes have no copy of this code, so it goes with the job.
-        ray.init(address=address, runtime_env={**env, **code_env(Path(__file__).resolve().parents[2])}, log_to_driver=False)
+        ray.init(address=address, runtime_env={**env, **code_env(Path(__file__).resolve().parents[2])}, log_to_driver=False,
+                 logging_level=logging.WARNING)
     else:
         # "local": a new instance even when another is running on this machine (ray.init would
         # join that one, and refuse num_cpus).
         ray.init(
             address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, runtime_env=env,
-            log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG,
+            log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG, logging_level=logging.WARNING,
         )
-    return True
 
 
 @contextlib.contextmanager
