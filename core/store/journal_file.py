@@ -40,7 +40,10 @@ def frames(f: BinaryIO, size: int) -> Iterator[tuple[int, memoryview]]:
     read one record at a time: a first bad record is seen without reading the rest."""
     at = 0
     while size - at >= FRAME.size:
-        (length,) = FRAME.unpack(f.read(FRAME.size))
+        head = f.read(FRAME.size)
+        if len(head) < FRAME.size:
+            return  # the file shrank while it was read
+        (length,) = FRAME.unpack(head)
         if length > size - at - FRAME.size:
             return  # torn: the write a crash cut short
         body = f.read(length)
